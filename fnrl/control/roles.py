@@ -1,0 +1,110 @@
+"""Starting, watching and stopping the role processes of one job.
+
+Each role is a child process with its own log file in the run directory. `check`
+raises a RoleError naming the first role that exited, with the tail of its log, so
+the controller fails with that role's error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fnrl.control.wire import RoleError, log_tail
+from fnrl.relay.launch import wait_relay_ready
+from fnrl.serving.server import ServerSpec, free_port, launch_server, wait_ready
+
+
+@dataclass
+class RoleProcess:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    address: str
+
+
+def _spawn(name: str, argv: list[str], log_path: Path, address: str) -> RoleProcess:
+    log = open(log_path, "ab")
+    # A new session per role: a SIGINT to the controller's terminal does not reach the
+    # roles directly; the controller stops them in order.
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return RoleProcess(name, proc, log_path, address)
+
+
+class Cluster:
+    """The relay, the trainer and the vLLM servers of one run, on this host."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.roles: list[RoleProcess] = []
+
+    def start_relay(self, name: str = "relay0") -> RoleProcess:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        role = _spawn(name, [sys.executable, "-m", "fnrl.relay.role", "--address", address,
+                             "--name", name], self.run_dir / "logs" / f"{name}.log", address)
+        self.roles.append(role)
+        return role
+
+    def start_trainer(self, config_path: Path, model_dir: Path, relay: str) -> RoleProcess:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        role = _spawn("trainer", [sys.executable, "-m", "fnrl.trainer.role", "--config",
+                                  str(config_path), "--model-dir", str(model_dir), "--run-dir",
+                                  str(self.run_dir), "--address", address, "--relay", relay],
+                      self.run_dir / "logs" / "trainer.log", address)
+        self.roles.append(role)
+        return role
+
+    def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:
+        log_path = self.run_dir / "logs" / f"rollout{rid}.log"
+        proc = launch_server(spec, log_path)
+        role = RoleProcess(f"rollout{rid}", proc, log_path, f"http://{spec.host}:{spec.port}")
+        self.roles.append(role)
+        return role
+
+    def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:
+        try:
+            wait_relay_ready(relay.address, relay.proc, timeout_s)
+        except RuntimeError as err:
+            raise RoleError(f"{err}{log_tail(str(relay.log_path))}") from err
+
+    def wait_servers_ready(self, timeout_s: float) -> None:
+        for role in self.roles:
+            if role.name.startswith("rollout"):
+                try:
+                    wait_ready(role.address, role.proc, timeout_s)
+                except RuntimeError as err:
+                    raise RoleError(f"{role.name}: {err}") from err
+
+    def check(self) -> None:
+        for role in self.roles:
+            code = role.proc.poll()
+            if code is not None:
+                raise RoleError(f"{role.name} exited with code {code}{log_tail(str(role.log_path))}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every role, then SIGKILL what is left after the grace period."""
+        for role in self.roles:
+            if role.proc.poll() is None:
+                _signal_group(role.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for role in self.roles:
+            try:
+                role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(role.proc, signal.SIGKILL)
+                role.proc.wait()
+        self.roles.clear()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,118 @@
+"""A synthetic, verifiable arithmetic task with graded difficulty.
+
+Problems are symbol expressions ("37+45=", "4-8*3=") with integer answers. Levels grow the number of digits and
+operands, so answers range from one to four characters and a tiny model finds the
+low levels easy and the high levels hard: the spread GRPO needs to learn from.
+
+The tokenizer is character level, built with `tokenizers`, and saved as a
+`tokenizer.json` that both fnrl and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+SPECIAL = (PAD, EOS, BOS)
+ALPHABET = "0123456789+-*=()"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its gold answer. `uid` is stable across runs for a given seed."""
+
+    uid: str
+    prompt: str
+    answer: str
+    level: int
+
+
+def build_tokenizer() -> Tokenizer:
+    """Character-level tokenizer: one id per character, special tokens first."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + tuple(ALPHABET))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # Fuse joins characters back without inserted spaces, so decode(encode(s)) == s.
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL))
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
+    """Writes tokenizer.json plus the HF side files that vLLM/transformers expect."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": PAD}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+         "clean_up_tokenization_spaces": False, **special}, indent=2))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def _expression(rng: random.Random, level: int) -> tuple[str, int]:
+    if level == 1:
+        a, b = rng.randint(0, 19), rng.randint(0, 9)
+        op = rng.choice("+-")
+    elif level == 2:
+        a, b = rng.randint(10, 99), rng.randint(0, 9)
+        op = rng.choice("+-*")
+    elif level == 3:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        op = rng.choice("+-")
+    elif level == 4:
+        a, b, c = rng.randint(0, 9), rng.randint(0, 9), rng.randint(0, 9)
+        op1, op2 = rng.choice("+-"), rng.choice("+-*")
+        text = f"{a}{op1}{b}{op2}{c}"
+        return text, eval(text)  # noqa: S307 - our own digits and operators only
+    else:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        op = "*"
+    text = f"{a}{op}{b}"
+    return text, eval(text)  # noqa: S307
+
+
+def make_problem(rng: random.Random, level: int, uid: str) -> Problem:
+    """One problem of the given level (1 = one-digit sums ... 5 = two-digit products)."""
+    expr, value = _expression(rng, level)
+    return Problem(uid=uid, prompt=f"{expr}=", answer=str(value), level=level)
+
+
+# The eval split is a prefix of a fixed pool, so changing num_eval never changes its items.
+_EVAL_POOL = 1024
+
+
+def eval_problems(seed: int, count: int, min_level: int, max_level: int) -> list[Problem]:
+    """The held-out split: a reproducible list, cycling through the levels."""
+    if not 0 < count <= _EVAL_POOL:
+        raise ValueError(f"num_eval={count} must be in 1..{_EVAL_POOL}")
+    rng = random.Random(f"{seed}:eval")
+    span = max_level - min_level + 1
+    return [make_problem(rng, min_level + i % span, uid=f"eval-{i}") for i in range(_EVAL_POOL)][:count]
+
+
+class PromptStream:
+    """An endless, seeded stream of training problems with a resumable cursor."""
+
+    def __init__(self, seed: int, min_level: int, max_level: int, *, held_out: frozenset[str],
+                 cursor: int = 0, stream: str = "train"):
+        self._seed, self._levels, self._stream = seed, (min_level, max_level), stream
+        # Eval prompts are never trained on, so held-out accuracy means what it says.
+        self._held_out = held_out
+        self.cursor = cursor
+
+    def take(self, n: int) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            # One RNG per cursor position makes the stream random-access (resume = set cursor).
+            rng = random.Random(f"{self._seed}:{self._stream}:{self.cursor}")
+            lo, hi = self._levels
+            p = make_problem(rng, lo + self.cursor % (hi - lo + 1), uid=f"{self._stream}-{self.cursor}")
+            self.cursor += 1
+            if p.prompt not in self._held_out:
+                out.append(p)
+        return out

@@ -1,0 +1,155 @@
+"""The main job: asynchronous GRPO on a synthetic math task.
+
+    python -m fnrl.experiments.math_grpo                   # embedded default, CPU
+    python -m fnrl.experiments.math_grpo --mode sync --steps 20
+    python -m fnrl.experiments.math_grpo --help
+
+Starts a relay, a trainer process and vLLM servers, then runs the controller loop in
+this process. The run directory gets the resolved config, seed and code version,
+metrics.jsonl, TensorBoard events, curves.png, role logs and Orbax checkpoints.
+A role that dies ends the job with that role's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import tyro
+from tokenizers import Tokenizer
+
+from fnrl.config import RunConfig, save_json
+from fnrl.control.loop import Controller
+from fnrl.control.metrics import MetricsWriter, plot_run
+from fnrl.control.roles import Cluster
+from fnrl.control.wire import RoleClient, RoleError
+from fnrl.data.arith import BOS, EOS, PAD, PromptStream, eval_problems
+from fnrl.data.reward import math_reward
+from fnrl.experiments.warm_start import ensure_default_model
+from fnrl.serving.client import RolloutClient
+from fnrl.serving.server import ServerSpec, free_port
+
+REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def code_version() -> dict:
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def resolve_model_dir(cfg: RunConfig) -> Path:
+    if not cfg.model.model_dir:
+        return ensure_default_model(cfg.model, cfg.task, cfg.warm_start)
+    model_dir = Path(cfg.model.model_dir).expanduser()
+    missing = [f for f in REQUIRED_MODEL_FILES if not (model_dir / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"model.model_dir={str(model_dir)!r} lacks {', '.join(missing)}")
+    return model_dir
+
+
+def prepare_run_dir(cfg: RunConfig) -> Path:
+    run_dir = Path(cfg.run_dir or f"runs/math_grpo-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_json(cfg, run_dir / "config.json")
+    (run_dir / "run_info.json").write_text(json.dumps(
+        {"seed": cfg.seed, "code": code_version(), "argv": sys.argv, "python": sys.version},
+        indent=2))
+    return run_dir
+
+
+async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, trainer: RoleClient,
+                          relay_address: str, model_dir: Path, trainer_version: int) -> dict:
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
+    eval_set = eval_problems(cfg.task.seed, cfg.task.num_eval, cfg.task.min_level,
+                             cfg.task.max_level)
+    prompts = PromptStream(cfg.task.seed + cfg.seed, cfg.task.min_level, cfg.task.max_level,
+                           held_out=frozenset(p.prompt for p in eval_set))
+    urls = [r.address for r in cluster.roles if r.name.startswith("rollout")]
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    async with aiohttp.ClientSession() as session:
+        clients = [RolloutClient(u, session, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
+        controller = Controller(
+            cfg, cluster=cluster, trainer=trainer, relay_address=relay_address,
+            rollouts=clients, prompts=prompts, eval_set=eval_set,
+            encode=lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids,
+            decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos, pad_id=pad,
+            seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version)
+        # Servers start from the model directory (version 0); after a resume they catch up.
+        for c, state in zip(clients, controller.rollouts):
+            state.version = await c.pull(relay_address) if trainer_version > 0 else 0
+        try:
+            return await controller.run()
+        finally:
+            controller.writer.close()
+
+
+def run(cfg: RunConfig) -> dict:
+    """Runs the whole job and returns its summary; raises RoleError if a role dies."""
+    model_dir = resolve_model_dir(cfg)
+    run_dir = prepare_run_dir(cfg)
+    cluster = Cluster(run_dir)
+    try:
+        relay = cluster.start_relay()
+        max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        for rid in range(cfg.rollout.num_servers):
+            cluster.start_server(rid, ServerSpec(
+                model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
+                max_num_seqs=cfg.rollout.max_num_seqs,
+                kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid))
+        role = cluster.start_trainer(run_dir / "config.json", model_dir, relay.address)
+        trainer = RoleClient("trainer", role.address, role.proc, str(role.log_path))
+        cluster.wait_relay_ready(relay)
+        t0 = time.perf_counter()
+        init = trainer.call({"cmd": "init"}, timeout_s=cfg.trainer_timeout_s)
+        print(f"trainer ready at version {init['version']}"
+              + (f" (resumed from step {init['resumed_from']})" if init["resumed_from"] else "")
+              + f" in {time.perf_counter() - t0:.1f}s", flush=True)
+        t0 = time.perf_counter()
+        cluster.wait_servers_ready(cfg.rollout.start_timeout_s)
+        print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
+              flush=True)
+        summary = asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, relay.address,
+                                              model_dir, init["version"]))
+        trainer.call({"cmd": "shutdown"}, timeout_s=120)
+    finally:
+        cluster.stop()
+    plot_run(run_dir)
+    summary["run_dir"] = str(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(RunConfig, args=argv, description=__doc__)
+    try:
+        summary = run(cfg)
+    except RoleError as err:
+        print(f"fnrl: {err}", file=sys.stderr)
+        return 1
+    evals = [json.loads(l) for l in open(Path(summary["run_dir"]) / "metrics.jsonl")
+             if '"kind": "eval"' in l]
+    if evals:
+        first, last = evals[0], evals[-1]
+        print(f"held-out accuracy: {100 * first['accuracy']:.1f}% (version {first['step']}) -> "
+              f"{100 * last['accuracy']:.1f}% (version {last['step']}); "
+              f"{summary['steps']} steps in {summary['wall_s']:.0f}s; run dir {summary['run_dir']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Meshes with axes ("data", "fsdp", "tensor") and logical-axis rules per role.
+
+Parameters carry logical axis names (vocab, embed, heads, ...); a rules table maps
+each name to a mesh axis or to None (replicated). Meshes are passed as arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+
+# Trainer rules: FSDP shards the embedding dimension, tensor parallelism the heads and MLP.
+TRAINER_RULES: Mapping[str, str | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "norm": None,
+    "batch": ("data", "fsdp"),
+}
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A mesh over the local devices; `data=-1` takes whatever fsdp*tensor leaves."""
+    devices = list(devices if devices is not None else jax.devices())
+    if data == -1:
+        if len(devices) % (fsdp * tensor):
+            raise ValueError(f"fsdp*tensor={fsdp * tensor} does not divide {len(devices)} devices")
+        data = len(devices) // (fsdp * tensor)
+    if data * fsdp * tensor > len(devices):
+        raise ValueError(f"mesh {data}x{fsdp}x{tensor} needs more than {len(devices)} devices")
+    return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices[: data * fsdp * tensor])
+
+
+def logical_to_mesh(spec: tuple | P | None, rules: Mapping[str, Any]) -> P:
+    """Maps a tuple of logical names to a PartitionSpec of mesh axes."""
+    if spec is None:
+        return P()
+    out = []
+    for name in spec:
+        if name is None:
+            out.append(None)
+        elif name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        else:
+            out.append(rules[name])
+    return P(*out)
+
+
+def _divisible(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+    """Drops a mesh axis from a dimension it does not divide (tiny models on big meshes)."""
+    out = []
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axis,) if isinstance(axis, str) else (axis or ())
+        size = 1
+        for n in names:
+            size *= mesh.shape[n]
+        out.append(axis if dim % size == 0 else None)
+    return P(*out)
+
+
+def shardings_for(logical_tree: Any, shapes_tree: Any, mesh: jax.sharding.Mesh,
+                  rules: Mapping[str, Any] = TRAINER_RULES) -> Any:
+    """NamedShardings for a pytree, given its logical-axis tuples and its shapes."""
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, _divisible(logical_to_mesh(spec, rules), x.shape, mesh)),
+        logical_tree, shapes_tree, is_leaf=lambda x: x is None or isinstance(x, (tuple, P)))
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] = TRAINER_RULES) -> NamedSharding:
+    """Leading (batch) dimension over data and fsdp; the rest replicated."""
+    return NamedSharding(mesh, P(rules["batch"]))

@@ -1,0 +1,43 @@
+"""Test-wide set-up: 8 fake CPU devices before JAX is imported, so sharding is tested
+without accelerators."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Qwen2 with fnrl's arithmetic tokenizer, as an HF directory."""
+    from fnrl.config import ModelConfig
+    from fnrl.data.arith import BOS, EOS, PAD, build_tokenizer, save_tokenizer
+    from fnrl.experiments.warm_start import model_config
+    from fnrl.models.hf_io import save_pretrained
+    from fnrl.models.qwen2 import init_model
+
+    tok = build_tokenizer()
+    tok_dir = tmp_path_factory.mktemp("tok")
+    save_tokenizer(tok, tok_dir)
+    cfg = model_config(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=32),
+                       32, {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)})
+    _, params = init_model(cfg, seed=0)
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    save_pretrained(out, cfg, params, tokenizer_dir=tok_dir)
+    return out
+
+
+def write_run_config(directory: Path, **overrides) -> Path:
+    from fnrl.config import RunConfig, from_dict, save_json
+
+    cfg = from_dict(RunConfig, overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_json(cfg, directory / "config.json")
+    return directory / "config.json"

@@ -1,0 +1,26 @@
+import pytest
+
+from fnrl.config import AlgoConfig, RunConfig, from_dict, to_dict
+
+
+def test_invalid_value_names_field():
+    with pytest.raises(ValueError, match=r"AlgoConfig.clip_low=1.5"):
+        AlgoConfig(clip_low=1.5)
+    with pytest.raises(ValueError, match=r"group_size"):
+        AlgoConfig(group_size=1)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match="unknown config key.*lerning_rate"):
+        from_dict(RunConfig, {"algo": {"lerning_rate": 1e-3}})
+
+
+def test_round_trip():
+    cfg = RunConfig(steps=3, algo=AlgoConfig(group_size=4))
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg
+
+
+def test_cli_rejects_unknown_flag(capsys):
+    from fnrl.experiments.math_grpo import main
+    with pytest.raises(SystemExit):
+        main(["--algo.lerning-rate", "0.1"])

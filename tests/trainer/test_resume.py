@@ -1,0 +1,76 @@
+"""Checkpoint save → SIGKILL → resume, with real trainer and relay processes."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import write_run_config
+from fnrl.control.roles import Cluster
+from fnrl.control.wire import RoleClient
+from fnrl.relay.client import RelayClient
+from fnrl.relay.store import open_version
+from fnrl.trainer.step import pack_sequences, scatter_response
+
+pytestmark = pytest.mark.slow
+
+
+def _batch(seq_len: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    prompts = [tuple(rng.integers(3, 20, 5)) for _ in range(8)]
+    responses = [tuple(rng.integers(3, 20, 4)) for _ in range(8)]
+    out = pack_sequences(prompts, responses, seq_len, pad_id=0)
+    out["behaviour_logp_BxT"] = scatter_response([(-3.0,) * 4] * 8, [5] * 8, seq_len)
+    out["adv_B"] = rng.standard_normal(8).astype(np.float32)
+    return out
+
+
+def _relay_weights(address: str) -> dict[str, np.ndarray]:
+    with RelayClient(address) as client:
+        manifest = client.latest()
+        return manifest.version, {k: np.array(v) for k, v in open_version(manifest).items()}
+
+
+def _start_trainer(cluster, cfg_path, model_dir, relay):
+    role = cluster.start_trainer(cfg_path, model_dir, relay.address)
+    client = RoleClient("trainer", role.address, role.proc, str(role.log_path))
+    return role, client, client.call({"cmd": "init"}, timeout_s=300)
+
+
+def test_kill_and_resume_continues_at_the_right_step_with_identical_params(tmp_path,
+                                                                           tiny_model_dir):
+    run_dir = tmp_path / "run"
+    cfg_path = write_run_config(run_dir, run_dir=str(run_dir))
+    cluster = Cluster(run_dir)
+    try:
+        relay_a = cluster.start_relay("relay_a")
+        cluster.wait_relay_ready(relay_a)
+        role, trainer, init = _start_trainer(cluster, cfg_path, tiny_model_dir, relay_a)
+        assert init["version"] == 0 and init["resumed_from"] is None
+        batch = _batch(seq_len=16)
+        for expected in (1, 2):
+            reply = trainer.call({"cmd": "train"}, batch, timeout_s=300)
+            assert reply["version"] == expected
+        version, before = _relay_weights(relay_a.address)
+        assert version == 2
+
+        os.kill(role.proc.pid, signal.SIGKILL)  # no chance to flush or close anything
+        role.proc.wait()
+        cluster.roles.remove(role)
+        trainer.close()
+
+        # The resumed trainer publishes to a fresh relay, so what it holds is compared
+        # byte for byte with what the killed one published.
+        relay_b = cluster.start_relay("relay_b")
+        cluster.wait_relay_ready(relay_b)
+        _, trainer, init = _start_trainer(cluster, cfg_path, tiny_model_dir, relay_b)
+        assert init == {"version": 2, "resumed_from": 2}
+        version, after = _relay_weights(relay_b.address)
+        assert version == 2 and before.keys() == after.keys()
+        for name in before:
+            np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+        assert trainer.call({"cmd": "train"}, batch, timeout_s=300)["version"] == 3
+        trainer.call({"cmd": "shutdown"}, timeout_s=60)
+    finally:
+        cluster.stop()
