@@ -26,6 +26,11 @@ def _positive(obj: Any, *names: str) -> None:
         _check(value > 0, type(obj).__name__, name, value, "must be > 0")
 
 
+# Head sizes vLLM's CPU attention backend accepts (vllm 0.32 cpu_attn.py); GPU backends
+# accept these too.
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     """The synthetic arithmetic task (see fnrl.data.arith)."""
@@ -59,6 +64,9 @@ class ModelConfig:
                   "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig",
                "num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
+        head_dim = self.hidden_size // self.num_attention_heads
+        _check(head_dim in VLLM_HEAD_SIZES, "ModelConfig", "hidden_size/num_attention_heads",
+               head_dim, f"vLLM's attention kernels support head sizes {VLLM_HEAD_SIZES}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +113,7 @@ class RolloutConfig:
 
     num_servers: int = 1
     max_num_seqs: int = 256
-    kv_memory_fraction: float = 0.05
+    kv_memory_fraction: float = 0.2
     groups_per_batch: int = 16
     start_timeout_s: float = 600.0
     request_timeout_s: float = 300.0

@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     tok_dir = tmp_path_factory.mktemp("tok")
     save_tokenizer(tok, tok_dir)
     cfg = model_config(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
+                                   num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=32),
                        32, {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)})
     _, params = init_model(cfg, seed=0)

@@ -24,3 +24,9 @@ def test_cli_rejects_unknown_flag(capsys):
     from fnrl.experiments.math_grpo import main
     with pytest.raises(SystemExit):
         main(["--algo.lerning-rate", "0.1"])
+
+
+def test_head_size_vllm_cannot_serve_is_rejected_up_front():
+    from fnrl.config import ModelConfig
+    with pytest.raises(ValueError, match="hidden_size/num_attention_heads=16"):
+        ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)

@@ -263,7 +263,8 @@ class Controller:
                   "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
                   **{f"time/{k}": v for k, v in b.time.items()},
                   "trainer_idle_frac": 1.0 - b.time["train_call_s"] / max(wall, 1e-9),
-                  "rollout_busy_frac": float(np.mean([r.busy_s for r in self.rollouts])) / wall}
+                  "rollout_busy_frac": float(np.mean([r.busy_s for r in self.rollouts])) / wall,
+                  "rollout_versions": [r.version for r in self.rollouts]}
         self._last_step_t = now
         self.writer.write("train", b.trainer_version, record)
         acc = b.last_eval["accuracy"] if b.last_eval else float("nan")

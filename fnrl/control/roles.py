@@ -7,6 +7,7 @@ the controller fails with that role's error instead of hanging.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -45,12 +46,19 @@ class Cluster:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.roles: list[RoleProcess] = []
 
+    def _add(self, role: RoleProcess) -> RoleProcess:
+        """Registers a role and records every pid in roles.json (for operators and tests)."""
+        self.roles.append(role)
+        (self.run_dir / "roles.json").write_text(json.dumps(
+            {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path)}
+             for r in self.roles}, indent=2))
+        return role
+
     def start_relay(self, name: str = "relay0") -> RoleProcess:
         address = f"tcp://127.0.0.1:{free_port()}"
         role = _spawn(name, [sys.executable, "-m", "fnrl.relay.role", "--address", address,
                              "--name", name], self.run_dir / "logs" / f"{name}.log", address)
-        self.roles.append(role)
-        return role
+        return self._add(role)
 
     def start_trainer(self, config_path: Path, model_dir: Path, relay: str) -> RoleProcess:
         address = f"tcp://127.0.0.1:{free_port()}"
@@ -58,15 +66,13 @@ class Cluster:
                                   str(config_path), "--model-dir", str(model_dir), "--run-dir",
                                   str(self.run_dir), "--address", address, "--relay", relay],
                       self.run_dir / "logs" / "trainer.log", address)
-        self.roles.append(role)
-        return role
+        return self._add(role)
 
     def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:
         log_path = self.run_dir / "logs" / f"rollout{rid}.log"
         proc = launch_server(spec, log_path)
         role = RoleProcess(f"rollout{rid}", proc, log_path, f"http://{spec.host}:{spec.port}")
-        self.roles.append(role)
-        return role
+        return self._add(role)
 
     def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:
         try:

@@ -1,0 +1,172 @@
+"""Versioned weight store in POSIX shared memory.
+
+Each weight version lives in its own file `/dev/shm/<segment>`; a `VersionManifest`
+says where every tensor sits in it. The writer (the relay role) fills a segment
+completely before it makes the manifest visible, and unlinks a segment only once two
+newer versions are complete. A reader that mmapped a segment before it was unlinked
+keeps a valid mapping (POSIX keeps the pages until the last mapping goes), so a reader
+never sees a torn version; one that races an unlink gets `FileNotFoundError` and asks
+for the new latest version.
+
+We use os.open + mmap rather than `multiprocessing.shared_memory`: on Python 3.11 its
+resource tracker unlinks segments that a process merely opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+SHM_DIR = Path("/dev/shm")
+ALIGNMENT = 64  # bytes; a cache line, and enough for any vectorised load
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """Where one tensor lives inside a version's segment."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> TensorSpec:
+        return cls(
+            name=str(d["name"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            dtype=str(d["dtype"]),
+            offset=int(d["offset"]),
+            nbytes=int(d["nbytes"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionManifest:
+    """One complete weight version: its number, its segment and its tensor layout."""
+
+    version: int
+    segment: str
+    tensors: tuple[TensorSpec, ...]
+    total_bytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": self.version,
+                "segment": self.segment,
+                "tensors": [t.to_dict() for t in self.tensors],
+                "total_bytes": self.total_bytes,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> VersionManifest:
+        d = json.loads(text)
+        return cls(
+            version=int(d["version"]),
+            segment=str(d["segment"]),
+            tensors=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
+            total_bytes=int(d["total_bytes"]),
+        )
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a dtype name; bfloat16 and float8 come from ml_dtypes."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # registers bfloat16, float8_* with numpy
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def plan_layout(
+    *, version: int, segment: str, tensors: Iterable[tuple[str, tuple[int, ...], str]]
+) -> VersionManifest:
+    """Place `(name, shape, dtype)` tensors back to back at 64-byte aligned offsets."""
+    specs, offset, seen = [], 0, set()
+    for name, shape, dtype in tensors:
+        if name in seen:
+            raise ValueError(f"tensor name {name!r} appears twice in version {version}")
+        seen.add(name)
+        shape = tuple(int(x) for x in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
+        specs.append(
+            TensorSpec(name=name, shape=shape, dtype=dtype, offset=offset, nbytes=nbytes)
+        )
+        offset = _align(offset + nbytes)
+    return VersionManifest(
+        version=version, segment=segment, tensors=tuple(specs), total_bytes=offset
+    )
+
+
+def create_segment(segment: str, size: int) -> mmap.mmap:
+    """Create `/dev/shm/<segment>` of `size` bytes and map it writable."""
+    fd = os.open(SHM_DIR / segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        # mmap refuses a zero-length file, so an empty version still gets one page.
+        os.ftruncate(fd, max(size, ALIGNMENT))
+        return mmap.mmap(fd, max(size, ALIGNMENT))
+    finally:
+        os.close(fd)
+
+
+def unlink_segment(segment: str) -> None:
+    """Remove a segment's name; existing mappings stay valid until unmapped."""
+    try:
+        os.unlink(SHM_DIR / segment)
+    except FileNotFoundError:
+        pass
+
+
+def open_version(manifest: VersionManifest) -> dict[str, np.ndarray]:
+    """Read-only, zero-copy views of every tensor of a version.
+
+    The arrays keep the mapping alive through their `.base`, so they stay valid after
+    the relay unlinks the segment. Raises FileNotFoundError if the segment is already
+    gone; ask the relay for its latest version and try again.
+    """
+    fd = os.open(SHM_DIR / manifest.segment, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < manifest.total_bytes:
+            raise ValueError(
+                f"segment {manifest.segment} holds {size} bytes, "
+                f"manifest of version {manifest.version} needs {manifest.total_bytes}"
+            )
+        # ACCESS_READ makes the buffer read-only, so numpy views refuse writes.
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return {t.name: _view(mm, t) for t in manifest.tensors}
+
+
+def _view(mm: mmap.mmap, spec: TensorSpec) -> np.ndarray:
+    dtype = numpy_dtype(spec.dtype)
+    if spec.nbytes == 0:  # frombuffer rejects an offset at the very end of the buffer
+        view = np.zeros(spec.shape, dtype)
+        view.flags.writeable = False
+        return view
+    flat = np.frombuffer(mm, dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=spec.offset)
+    return flat.reshape(spec.shape)

@@ -1,0 +1,193 @@
+"""Async HTTP client of one vLLM generation server started by `fnrl.serving.server`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+
+import aiohttp
+
+# Sampling knobs pinned to "no change" so the behaviour policy is exactly
+# softmax(logits / temperature); vLLM's returned log-probs ignore these knobs anyway.
+_NEUTRAL_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+class ServerError(RuntimeError):
+    """A generation server failed a request, answered nonsense, or timed out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled continuation.
+
+    `logprobs[i]` is log p(token_ids[i] | prefix) under the serving weights at
+    temperature 1 (vLLM's default `raw_logprobs`), whatever temperature sampled it.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+class RolloutClient:
+    """Talks to one server; the aiohttp session is the caller's to open and close."""
+
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        *,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._model: str | None = None
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        stop_token_ids: Sequence[int] = (),
+        request_id: str | None = None,
+    ) -> list[Completion]:
+        """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable."""
+        body = {
+            "model": await self._model_name(),
+            "prompt": [int(t) for t in prompt_ids],
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+            # Only the sampled token's log-prob is needed; vLLM always includes it.
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            **_NEUTRAL_SAMPLING,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        reply = await self._post("/v1/completions", body, self.timeout_s)
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise ServerError(f"server {self.base_url}: asked n={n}, got {len(choices)}")
+        return [self._completion(c) for c in choices]
+
+    async def pull(self, relay_address: str, *, relay_timeout_s: float = 30.0) -> int:
+        """Load the relay's latest weights in place; returns the version now served.
+
+        The engine does not generate while the worker asks the relay and reloads.
+        After a new version is loaded the prefix cache is reset, with running requests
+        preempted and recomputed, so no later token reads KV computed by old weights.
+        """
+        before = await self.version()
+        rpc = {
+            "method": "fnrl_pull",
+            "args": [relay_address],
+            "kwargs": {"timeout_s": relay_timeout_s},
+        }
+        timeout_s = self.control_timeout_s + relay_timeout_s
+        results = (await self._post("/collective_rpc", rpc, timeout_s))["results"]
+        version = _same_version(results, self.base_url)
+        if version != before:
+            reset = await self._post(
+                "/reset_prefix_cache?reset_running_requests=true", None, self.control_timeout_s
+            )
+            if not reset.get("success"):
+                raise ServerError(f"server {self.base_url}: prefix cache reset failed")
+        return version
+
+    async def version(self) -> int:
+        """The weight version served; -1 for the checkpoint it started with."""
+        rpc = {"method": "fnrl_version"}
+        results = (await self._post("/collective_rpc", rpc, self.control_timeout_s))["results"]
+        return _same_version(results, self.base_url)
+
+    async def metrics(self) -> dict[str, float]:
+        """Load gauges from `/metrics`: KV-cache usage (0..1), running, waiting."""
+        text = await self._get_text("/metrics")
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in METRICS:
+                # Summed over label sets (one per model / engine).
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        missing = [m for m in METRICS if m not in values]
+        if missing:
+            raise ServerError(f"server {self.base_url}: /metrics lacks {missing}")
+        return values
+
+    async def _model_name(self) -> str:
+        if self._model is None:
+            reply = await self._get_json("/v1/models")
+            self._model = reply["data"][0]["id"]
+        return self._model
+
+    def _completion(self, choice: dict) -> Completion:
+        token_ids = tuple(int(t) for t in choice["token_ids"])
+        lp = choice["logprobs"]
+        logprobs = tuple(float(x) for x in lp["token_logprobs"])
+        # Cross-check the two encodings of the sampled ids ("token_id:123" strings).
+        if tuple(int(t.removeprefix("token_id:")) for t in lp["tokens"]) != token_ids:
+            raise ServerError(f"server {self.base_url}: token ids and log-prob tokens differ")
+        if len(logprobs) != len(token_ids) or any(math.isnan(x) for x in logprobs):
+            raise ServerError(f"server {self.base_url}: bad log-probs {logprobs[:8]}")
+        return Completion(token_ids, logprobs, str(choice["finish_reason"]))
+
+    async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
+        return await self._request("POST", path, body, timeout_s, text=False)
+
+    async def _get_json(self, path: str) -> dict:
+        return await self._request("GET", path, None, self.control_timeout_s, text=False)
+
+    async def _get_text(self, path: str) -> str:
+        return await self._request("GET", path, None, self.control_timeout_s, text=True)
+
+    async def _request(self, method, path, body, timeout_s, *, text):
+        url = self.base_url + path
+        try:
+            async with self.session.request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                payload = await response.text()
+                if response.status != 200:
+                    # vLLM closes the connection after an endpoint raised; drop it from
+                    # the pool so the next request does not reuse a dying socket.
+                    response.close()
+                    raise ServerError(f"{method} {url} -> {response.status}: {payload[:2000]}")
+                if text:
+                    return payload
+                return json.loads(payload) if payload else {}
+        except asyncio.TimeoutError:
+            raise ServerError(f"{method} {url} timed out after {timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+
+
+def _same_version(results: list, base_url: str) -> int:
+    """collective_rpc returns one result per worker (as strings); they must agree."""
+    versions = {int(r) for r in results}
+    if len(versions) != 1:
+        raise ServerError(f"server {base_url}: workers serve different versions {versions}")
+    return versions.pop()

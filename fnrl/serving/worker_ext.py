@@ -1,0 +1,73 @@
+"""vLLM worker extension that loads weight versions from the host's relay.
+
+vLLM mixes this class into its worker (`--worker-extension-cls`), so `self` is the
+worker and `self.reload_weights` is vLLM's in-place reload. The server reaches the
+methods through `POST /collective_rpc` (needs `VLLM_SERVER_DEV_MODE=1`); see
+`fnrl.serving.client.RolloutClient.pull`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from fnrl.relay.client import RelayClient
+from fnrl.relay.store import open_version
+
+# Segments a relay unlinks between our `latest` and our `open` are retried this often.
+_OPEN_ATTEMPTS = 5
+
+
+def torch_views(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Zero-copy torch tensors over numpy arrays, bfloat16 included."""
+    with warnings.catch_warnings():
+        # The arrays are read-only shared memory; vLLM only copies out of them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for name, a in arrays.items():
+            if a.dtype.name == "bfloat16":  # numpy's bfloat16 comes from ml_dtypes
+                yield name, torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+            else:
+                yield name, torch.from_numpy(a)
+
+
+class RelayWeightLoader:
+    """Methods added to every vLLM worker; state lives on the worker object."""
+
+    def fnrl_pull(self, relay_address: str, timeout_s: float = 30.0) -> int:
+        """Load the relay's latest version in place; returns the version now served.
+
+        A no-op when the relay has nothing newer than what this worker serves.
+        """
+        timeout_s = float(timeout_s)  # collective_rpc over HTTP passes strings
+        with RelayClient(relay_address, timeout_s=timeout_s) as relay:
+            for _ in range(_OPEN_ATTEMPTS):
+                manifest = relay.latest()
+                if manifest is None or manifest.version <= self.fnrl_version():
+                    return self.fnrl_version()
+                try:
+                    arrays = open_version(manifest)
+                    break
+                except FileNotFoundError:  # unlinked by two newer publishes; ask again
+                    continue
+            else:
+                raise RuntimeError(
+                    f"relay {relay_address}: could not open a version in "
+                    f"{_OPEN_ATTEMPTS} attempts; versions are replaced faster than read"
+                )
+        start = time.perf_counter()
+        self.reload_weights(weights_iterator=torch_views(arrays))
+        self._fnrl_version = manifest.version
+        self._fnrl_reload_s = time.perf_counter() - start
+        return manifest.version
+
+    def fnrl_version(self) -> int:
+        """The weight version this worker serves; -1 for the checkpoint it started with."""
+        return getattr(self, "_fnrl_version", -1)
+
+    def fnrl_reload_seconds(self) -> float:
+        """Seconds the last `fnrl_pull` spent in `reload_weights` (0 before any)."""
+        return getattr(self, "_fnrl_reload_s", 0.0)

@@ -1,0 +1,77 @@
+"""The main job end to end: real vLLM server, real relay process, real trainer process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fnrl.control.metrics import read_metrics
+from fnrl.experiments.math_grpo import main
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--warm-start.steps", "20", "--model.hidden-size", "64", "--model.intermediate-size",
+         "128", "--model.num-hidden-layers", "2", "--model.num-attention-heads", "2",
+         "--model.num-key-value-heads", "1", "--task.num-eval", "16",
+         "--algo.groups-per-step", "4", "--rollout.groups-per-batch", "4"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("model_cache"))
+
+
+@pytest.mark.parametrize("mode", ["laminar", "sync"])
+def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, mode):
+    run_dir = tmp_path / "run"
+    assert main(["--mode", mode, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
+                 "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    # The rollout served versions newer than the one it started with, reported by the
+    # worker extension after each pull (evaluation runs on whatever version it serves).
+    assert max(max(r["rollout_versions"]) for r in train) >= 1
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 3
+    for r in train:
+        assert r["per_token_versions_ok"]
+        assert sum(r["staleness_hist"]) == r["tokens"] > 0  # every trained token has a version
+        assert r["staleness_max"] <= 4
+    # Behaviour log-probs from vLLM reached the trainer: on a fresh version (staleness 0)
+    # they match the trainer's own log-probs (zeros or garbage would differ by ~1 nat).
+    fresh = [r for r in train if r["staleness_max"] == 0]
+    assert fresh and all(r["logp_abs_diff"] < 1e-3 for r in fresh)
+    if mode == "sync":
+        assert all(r["staleness_max"] == 0 for r in train)
+    for name in ("config.json", "run_info.json", "curves.png", "summary.json"):
+        assert (run_dir / name).exists(), name
+    assert list((run_dir / "tensorboard").iterdir())
+    assert json.loads((run_dir / "run_info.json").read_text())["code"]["commit"]
+
+
+def test_a_killed_trainer_ends_the_job_with_its_error(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fnrl.experiments.math_grpo", "--steps", "1000", "--run-dir",
+         str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "metrics.jsonl").exists() or '"train"' not in (
+                run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        roles = json.loads((run_dir / "roles.json").read_text())
+        os.kill(roles["trainer"]["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert "trainer exited with code -9" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

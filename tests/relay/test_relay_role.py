@@ -1,0 +1,131 @@
+"""Real relay processes: publish, latest, zero-copy reads, retention, errors, kills."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fnrl.relay import store
+from fnrl.relay.client import RelayClient, RelayError, RelayTimeout
+
+pytestmark = pytest.mark.slow
+
+
+def weights(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    f32 = rng.standard_normal((5, 7)).astype(np.float32)
+    f32[0, :4] = [np.nan, np.inf, -np.inf, -0.0]  # bit-exact means these survive too
+    return {
+        "model.embed_tokens.weight": f32,
+        "model.norm.weight": rng.standard_normal(33).astype(ml_dtypes.bfloat16),
+        "lm_head.weight": rng.standard_normal((3, 4)).astype(np.float16).T,  # strided
+        "counts": rng.integers(-(2**31), 2**31 - 1, size=(2, 3, 4), dtype=np.int32),
+        "scalar": np.array(seed, dtype=np.int64),
+        "empty": np.zeros((0, 3), dtype=np.float32),
+    }
+
+
+def assert_bit_exact(views: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert list(views) == list(expected)
+    for name, a in expected.items():
+        v = views[name]
+        assert (v.dtype, v.shape) == (a.dtype, a.shape), name
+        assert np.ascontiguousarray(a).tobytes() == v.tobytes(), name
+
+
+def test_publish_latest_open_round_trip(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        assert client.latest() is None
+        assert client.ping()["version"] is None
+        client.publish(3, weights(3))
+        manifest = client.latest()
+        assert manifest.version == 3 and client.ping()["version"] == 3
+        assert all(t.offset % store.ALIGNMENT == 0 for t in manifest.tensors)
+        assert_bit_exact(store.open_version(manifest), weights(3))
+
+
+def test_keeps_two_newest_segments(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        for version in range(10):
+            client.publish(version, weights(version))
+            assert len(relay.segments()) == min(version + 1, 2)
+        assert [s.rsplit("-v", 1)[1] for s in relay.segments()] == ["8", "9"]
+        assert_bit_exact(store.open_version(client.latest()), weights(9))
+
+
+def test_reader_keeps_its_version_while_newer_ones_replace_it(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        client.publish(1, weights(1))
+        held = store.open_version(client.latest())
+        stale = client.latest()
+        client.publish(2, weights(2))
+        client.publish(3, weights(3))  # unlinks version 1's segment
+        assert stale.segment not in relay.segments()
+        assert_bit_exact(held, weights(1))
+        # A reader that comes too late gets FileNotFoundError and asks again.
+        with pytest.raises(FileNotFoundError):
+            store.open_version(stale)
+        assert_bit_exact(store.open_version(client.latest()), weights(3))
+
+
+def test_old_or_equal_version_rejected(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        client.publish(5, weights(5))
+        for version in (5, 4):
+            with pytest.raises(RelayError, match=rf"version {version} .* latest 5"):
+                client.publish(version, weights(version))
+        assert client.latest().version == 5
+        assert relay.address in str(pytest.raises(RelayError, client.publish, 1, {}).value)
+
+
+def test_malformed_publish_rejected_and_relay_survives(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        header = {
+            "op": "publish",
+            "version": 1,
+            "tensors": [{"name": "a", "shape": [4], "dtype": "float32"}],
+        }
+        with pytest.raises(RelayError, match="has 3 bytes, expected 16"):
+            client._request(header, [b"abc"], None)
+        with pytest.raises(RelayError, match="unknown op"):
+            client._request({"op": "nope"}, [], None)
+        assert relay.segments() == []
+        client.publish(1, {"a": np.ones(4, np.float32)})
+        assert client.latest().version == 1
+
+
+def test_killed_relay_raises_within_timeout(relay):
+    with RelayClient(relay.address, timeout_s=1.0) as client:
+        client.publish(1, weights(1))
+        relay.proc.send_signal(signal.SIGKILL)
+        relay.proc.wait(5)
+        for call in (client.ping, client.latest, lambda: client.publish(2, weights(2))):
+            start = time.monotonic()
+            with pytest.raises(RelayTimeout, match=relay.address):
+                call()
+            assert time.monotonic() - start < 3.0
+
+
+def test_sigterm_unlinks_segments(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        client.publish(1, weights(1))
+        client.publish(2, weights(2))
+    assert len(relay.segments()) == 2
+    relay.proc.send_signal(signal.SIGTERM)
+    assert relay.proc.wait(10) == 0
+    assert relay.segments() == []
+
+
+def test_restarted_relay_removes_segments_of_its_killed_predecessor(relay_factory):
+    first = relay_factory()
+    with RelayClient(first.address, timeout_s=5) as client:
+        client.publish(1, weights(1))
+    first.proc.kill()
+    first.proc.wait(5)
+    assert len(first.segments()) == 1  # SIGKILL leaves the segment behind
+    second = relay_factory(first.name)
+    assert first.segments() == [] and second.segments() == []

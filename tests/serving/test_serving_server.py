@@ -1,0 +1,191 @@
+"""A real vLLM server with the fnrl worker extension, fed by a real relay.
+
+Reference numbers come from transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from fnrl.relay.client import RelayClient
+from fnrl.serving.client import RolloutClient, ServerError
+from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 64
+# Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache keeps a block.
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(2, VOCAB, size=140)]
+_versions = itertools.count(1)  # the module's relay only accepts increasing versions
+
+
+def run(server_url: str, fn):
+    """Run `fn(client)` (a coroutine function) against the server."""
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await fn(RolloutClient(server_url, session))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def base_weights(tiny_model_dir) -> dict[str, np.ndarray]:
+    return load_file(Path(tiny_model_dir) / "model.safetensors")
+
+
+def changed_weights(base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Different embeddings (so the prompt's KV changes) and a permuted vocabulary."""
+    new = dict(base)
+    new["model.embed_tokens.weight"] = np.roll(base["model.embed_tokens.weight"], 7, axis=0)
+    new["lm_head.weight"] = np.roll(base["lm_head.weight"], 3, axis=0)
+    return new
+
+
+def hf_model(model_dir, weights: dict[str, np.ndarray]):
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], completion: tuple[int, ...]) -> np.ndarray:
+    ids = torch.tensor([prompt + list(completion)])
+    logp_TxV = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+    positions = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+    return logp_TxV[positions, ids[0, len(prompt) :]].numpy()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n_tokens: int) -> tuple[int, ...]:
+    ids = list(prompt)
+    for _ in range(n_tokens):
+        logits_V = model(torch.tensor([ids])).logits[0, -1]
+        top2 = torch.topk(logits_V, 2).values
+        assert top2[0] - top2[1] > 1e-3, "near tie: greedy comparison would be flaky"
+        ids.append(int(logits_V.argmax()))
+    return tuple(ids[len(prompt) :])
+
+
+def serve(server_url: str, relay_address: str, weights: dict[str, np.ndarray]) -> int:
+    """Publish `weights` as a new version and make the server load it."""
+    version = next(_versions)
+    with RelayClient(relay_address, timeout_s=10) as relay:
+        relay.publish(version, weights)
+    assert run(server_url, lambda c: c.pull(relay_address)) == version
+    return version
+
+
+async def greedy(client: RolloutClient, n_tokens: int = 12) -> tuple[int, ...]:
+    (completion,) = await client.generate(
+        PROMPT, n=1, max_tokens=n_tokens, temperature=0.0, seed=None, stop_token_ids=()
+    )
+    return completion.token_ids
+
+
+def test_generate_returns_sampled_ids_and_their_logprobs(server_url):
+    async def two_draws(client):
+        kwargs = dict(n=4, max_tokens=16, temperature=1.0, seed=123, stop_token_ids=[1])
+        return await client.generate(PROMPT, **kwargs), await client.generate(PROMPT, **kwargs)
+
+    first, second = run(server_url, two_draws)
+    assert first == second  # a seeded request is reproducible
+    assert len({c.token_ids for c in first}) > 1  # the n samples differ
+    for c in first:
+        assert 0 < len(c.token_ids) <= 16 and len(c.logprobs) == len(c.token_ids)
+        assert all(0 <= t < VOCAB for t in c.token_ids)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        assert c.finish_reason in ("length", "stop")
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] == 1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_are_temperature_one_logprobs_of_served_weights(
+    server_url, relay_address, tiny_model_dir, base_weights, temperature
+):
+    serve(server_url, relay_address, base_weights)
+    completions = run(
+        server_url,
+        lambda c: c.generate(PROMPT, n=8, max_tokens=24, temperature=temperature, seed=7),
+    )
+    model = hf_model(tiny_model_dir, base_weights)
+    for c in completions:
+        # vLLM's default logprobs_mode is raw_logprobs: log-softmax of the unscaled
+        # logits, whatever the sampling temperature.
+        np.testing.assert_allclose(
+            c.logprobs, hf_logprobs(model, PROMPT, c.token_ids), rtol=0, atol=1e-5
+        )
+
+
+def test_pull_serves_new_weights_and_forgets_cached_prefixes(
+    server_url, relay_address, tiny_model_dir, base_weights
+):
+    old = serve(server_url, relay_address, base_weights)
+    old_greedy = run(server_url, greedy)  # also fills the prefix cache with PROMPT
+    assert old_greedy == hf_greedy(hf_model(tiny_model_dir, base_weights), PROMPT, 12)
+
+    new_weights = changed_weights(base_weights)
+    new = serve(server_url, relay_address, new_weights)
+    assert new > old and run(server_url, lambda c: c.version()) == new
+    new_greedy = run(server_url, greedy)
+    # Equal to transformers only if PROMPT's cached KV (old weights) was dropped.
+    assert new_greedy == hf_greedy(hf_model(tiny_model_dir, new_weights), PROMPT, 12)
+    assert new_greedy != old_greedy
+
+    # Nothing newer on the relay: pulling is a no-op.
+    assert run(server_url, lambda c: c.pull(relay_address)) == new
+    assert run(server_url, greedy) == new_greedy
+
+
+def test_pull_from_dead_relay_fails_and_server_keeps_serving(server_url):
+    dead = f"tcp://127.0.0.1:{free_port()}"
+
+    async def pull_then_generate(client):
+        before = await client.version()
+        with pytest.raises(ServerError, match=f"{server_url}.*relay {dead} did not answer"):
+            await client.pull(dead, relay_timeout_s=0.5)
+        completions = await client.generate(PROMPT, n=2, max_tokens=4, temperature=1.0, seed=0)
+        return before, await client.version(), completions
+
+    before, after, completions = run(server_url, pull_then_generate)
+    assert before == after and len(completions) == 2
+
+
+def test_metrics(server_url):
+    metrics = run(server_url, lambda c: c.metrics())
+    assert set(metrics) == {
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+    }
+    assert 0.0 <= metrics["vllm:kv_cache_usage_perc"] <= 1.0
+    assert metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
+
+
+def test_unreachable_server_raises_naming_it():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerError, match=url):
+        run(url, lambda c: c.version())
+
+
+def test_wait_ready_reports_a_server_that_dies(tmp_path):
+    spec = ServerSpec(
+        model_dir=str(tmp_path / "no-such-model"), port=free_port(), max_model_len=64,
+        max_num_seqs=1,
+    )  # fmt: skip
+    proc = launch_server(spec, tmp_path / "vllm.log")
+    try:
+        with pytest.raises(RuntimeError, match="(?s)exited with code 1.*no-such-model"):
+            wait_ready(spec.base_url, proc, timeout_s=120)
+    finally:
+        stop_server(proc)
