@@ -30,3 +30,11 @@ def test_head_size_vllm_cannot_serve_is_rejected_up_front():
     from fnrl.config import ModelConfig
     with pytest.raises(ValueError, match="hidden_size/num_attention_heads=16"):
         ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_missing_model_files_are_named(tmp_path, capsys):
+    from fnrl.experiments.math_grpo import main
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model.model-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "lacks model.safetensors, tokenizer.json" in err

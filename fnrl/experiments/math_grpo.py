@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except RoleError as err:
         print(f"fnrl: {err}", file=sys.stderr)
         return 1
+    except (FileNotFoundError, ValueError) as err:  # bad input: say what, no traceback
+        print(f"fnrl: {err}", file=sys.stderr)
+        return 2
     evals = [json.loads(l) for l in open(Path(summary["run_dir"]) / "metrics.jsonl")
              if '"kind": "eval"' in l]
     if evals:
