@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fnrl.data.arith import Problem
 
 
@@ -115,3 +117,114 @@ class Evaluate:
 
 
 Command = Pull | Generate | Train | Evaluate
+
+
+# --- the coordinator's view and commands (StaleFlow seed 001 §5; Laminar seed 000 §5) ---
+#
+# `ClusterSnapshot` is what `fnrl.policy.cycle.decide_cycle` reads. It is columnar
+# (numpy arrays, never written to) so that one decision cycle over 1,024 rollouts and
+# 16,384 in-flight trajectories stays in the millisecond range. Trajectory ids (`tid`)
+# and group ids (`gid`) are integers the controller assigns in arrival order; it keeps
+# the map to `Trajectory.uid` strings.
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterSnapshot:
+    """One immutable observation of the rollout service (StaleFlow Fig. 11).
+
+    Per rollout instance r (arrays of length R):
+      inst_version_R       weight version the instance serves
+      inst_kv_used_R       KV cache in use, in tokens (vLLM's usage fraction × capacity)
+      inst_kv_prev_R       the same at the previous snapshot (Laminar's C_prev)
+      inst_kv_capacity_R   KV budget M, in tokens
+      inst_num_complete_R  trajectories completed on it since its last Pull
+    Per tracked, unfinished trajectory n (arrays of length N), in the trajectory
+    server (TS) or on an instance:
+      traj_id_N, traj_gid_N
+      traj_inst_N          instance index, or -1 when it waits in the TS
+      traj_waiting_N       True when it sits in the engine's waiting (preempted) queue
+      traj_len_N           context length: prompt + tokens streamed so far
+    Events since the previous snapshot:
+      rewarded_gids        groups whose members are all finished and rewarded (Occupy)
+      dropped_gids         groups the data path discards (filtering: Abort)
+    """
+
+    now_s: float
+    ps_version: int          # newest version the trainer has published
+    trainer_idle: bool       # the trainer can take a batch now
+    inst_version_R: np.ndarray
+    inst_kv_used_R: np.ndarray
+    inst_kv_prev_R: np.ndarray
+    inst_kv_capacity_R: np.ndarray
+    inst_num_complete_R: np.ndarray
+    traj_id_N: np.ndarray
+    traj_gid_N: np.ndarray
+    traj_inst_N: np.ndarray
+    traj_waiting_N: np.ndarray
+    traj_len_N: np.ndarray
+    rewarded_gids: tuple[int, ...] = ()
+    dropped_gids: tuple[int, ...] = ()
+
+    @property
+    def num_rollouts(self) -> int:
+        return len(self.inst_version_R)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Start (or, for a trajectory with streamed tokens, re-prefill and continue) `tids`
+    on rollout `rid`. A Route waits for earlier Interrupts of the same tids to land."""
+
+    rid: int
+    tids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Stop `tids` on rollout `rid` and return them, with their tokens, to the TS."""
+
+    rid: int
+    tids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Discard `tids` for good (rid None: they wait in the TS). Issued for dropped groups."""
+
+    rid: int | None
+    tids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Interrupt `tids` on `src` and continue them on `dst` from their streamed tokens."""
+
+    src: int
+    dst: int
+    tids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Consume:
+    """Train version `version` → `version + 1` on exactly these groups (a Ready buffer)."""
+
+    version: int
+    gids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DropGroups:
+    """The staleness manager aborted these groups (a Stuck buffer timed out): discard
+    their finished members too; they will never be consumed."""
+
+    gids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FillPrompts:
+    """Add `num_groups` fresh prompt groups to the trajectory server."""
+
+    num_groups: int
+
+
+CycleCommand = Pull | Route | Interrupt | Abort | Migrate | Consume | DropGroups | FillPrompts

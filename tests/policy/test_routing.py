@@ -1,0 +1,130 @@
+"""StaleFlow's routing, sync, migration and snapshot validation (seed 001 §5)."""
+
+import numpy as np
+import pytest
+
+from fnrl.policy import staleness as st
+from fnrl.policy.routing import (CostModel, RoutingConfig, SpeculativeState, WorkingView,
+                                 apply_commands, plan_migration, plan_sync, route,
+                                 snapshot_is_valid)
+from fnrl.types import ClusterSnapshot, Interrupt, Pull, Route
+
+
+def snapshot(*, versions, kv=None, cap=100.0, trajs=(), ps_version=0, complete=None):
+    """trajs: (tid, gid, inst, waiting, length) tuples."""
+    R = len(versions)
+    t = np.array(trajs, dtype=np.int64).reshape(-1, 5)
+    return ClusterSnapshot(
+        now_s=0.0, ps_version=ps_version, trainer_idle=False,
+        inst_version_R=np.array(versions, np.int64),
+        inst_kv_used_R=np.zeros(R) if kv is None else np.array(kv, float),
+        inst_kv_prev_R=np.zeros(R), inst_kv_capacity_R=np.full(R, cap),
+        inst_num_complete_R=np.zeros(R, np.int64) if complete is None else np.array(complete),
+        traj_id_N=t[:, 0], traj_gid_N=t[:, 1], traj_inst_N=t[:, 2],
+        traj_waiting_N=t[:, 3].astype(bool), traj_len_N=t[:, 4])
+
+
+def test_cost_model_table4_numbers():
+    """Eq. 11 / Eq. 2 with Table 4's coefficients, by hand."""
+    c = CostModel()
+    # 64 running, 64k KV tokens: k3·64 = 8.0e-3 > k2, so compute-bound.
+    lat = 7.28e-8 * 65536 + 1.25e-4 * 64 + 1.07e-2
+    assert c.step_latency(65536, 64) == pytest.approx(lat)
+    assert c.throughput(65536, 64) == pytest.approx(64 / lat)
+    assert c.ideal_gain(1000) == pytest.approx(1 / (7.28e-8 * 1000 + 1.72e-3 + 1.07e-2))
+    assert c.roofline_batch() == 13          # k2/k3 = 13.76 (digest: "≈ 13.8")
+
+
+def test_marginal_gain_is_zero_when_it_would_wait():
+    c = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    kv, n = np.array([0.0, 95.0, 0.0]), np.array([0.0, 1.0, 1.0])
+    n_wait, cap = np.array([0.0, 0.0, 2.0]), np.full(3, 100.0)
+    gain = c.marginal_gain(kv, n, n_wait, cap, c.throughput(kv, n), 10)
+    np.testing.assert_allclose(gain, [1.0, 0.0, 0.0])  # KV full; a queue already waits
+
+
+@pytest.mark.parametrize("mu, expect", [(0.5, 1), (0.1, 0)])
+def test_waterfall(mu, expect):
+    """Hand-computed: k1=0.01, k2=1, k3=k4=0, length 10 → ΔT_ideal = 1/1.1 = 0.909.
+    Rollout 0 (V0) runs 10 with kv 500: ΔT = 11/6.1 − 10/6 = 0.137. Rollout 1 (V1) is
+    idle: ΔT = ΔT_ideal. μ = 0.5 falls through V0's group to V1; μ = 0.1 stays on V0."""
+    cost = CostModel(k1=0.01, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(100 + i, 50, 0, 0, 50) for i in range(10)] + [(7, 1, -1, 0, 10)]
+    snap = snapshot(versions=[0, 1], kv=[500.0, 0.0], cap=1000.0, trajs=trajs, ps_version=1)
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4), v_train=1)
+    s = st.reserve(s, 50, 0)
+    view = WorkingView(snap, st.group_versions(s), cost)
+    plan = route(view, s, st.empty_counts(s), mu)
+    assert plan.routes == {expect: [10]}
+    assert plan.admissions == [(1, expect)]
+
+
+def test_routing_stops_at_head_of_line():
+    """A partial trajectory that fits nowhere withholds everything behind it (Alg. 3)."""
+    cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(1, 1, -1, 0, 500), (2, 2, -1, 0, 5)]      # 1: partial, V0, too long for KV
+    snap = snapshot(versions=[0], cap=100.0, trajs=trajs)
+    s = st.reserve(st.init_staleness(st.StalenessConfig(eta=1, batch_size=4)), 1, 0)
+    plan = route(WorkingView(snap, st.group_versions(s), cost), s, st.empty_counts(s), 0.3)
+    assert plan.routes == {} and plan.admissions == []
+
+
+def test_admission_respects_the_buffers_within_one_cycle():
+    """Probes see the cycle's own earlier reservations: batch 1, η 0 → one group only."""
+    cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(1, 1, -1, 0, 5), (2, 1, -1, 0, 5), (3, 2, -1, 0, 5)]
+    snap = snapshot(versions=[0, 0], trajs=trajs)
+    s = st.init_staleness(st.StalenessConfig(eta=0, batch_size=1))
+    plan = route(WorkingView(snap, {}, cost), s, st.empty_counts(s), 0.3)
+    assert plan.admissions == [(1, 0)]
+    assert sorted(i for v in plan.routes.values() for i in v) == [0, 1]  # group 1 only
+
+
+def test_lazy_sync_only_where_routing_needs_it():
+    """η = 0, trainer at V1: V0 rollouts can admit nothing. The idle one is synced (work
+    would be routed to it); the busy one keeps generating (its KV is not thrown away)
+    when the idle one's upgrade suffices for the TS's one trajectory."""
+    cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(1, 9, 1, 0, 5), (2, 3, -1, 0, 5)]
+    snap = snapshot(versions=[0, 0], kv=[0.0, 5.0], trajs=trajs, ps_version=1)
+    s = st.init_staleness(st.StalenessConfig(eta=0, batch_size=4), v_train=1)
+    view = WorkingView(snap, {9: 0}, cost)
+    assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(), 1) == [0]
+    assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(sync="greedy"), 1) == [0, 1]
+    assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(sync="on_idle"), 1) == [0]
+
+
+def test_migration_cases():
+    cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    # Rollout 0: 3 waiting (lengths 5, 2, 9) → φ_wait = 1 sends the two shortest back.
+    # Rollout 1 runs 12, rollout 2 runs 2: T = 12 vs 2 > φ_throughput = 5 → all of 1.
+    trajs = ([(1, 1, 0, 1, 5), (2, 1, 0, 1, 2), (3, 1, 0, 1, 9), (4, 1, 0, 0, 1)]
+             + [(10 + i, 2, 1, 0, 3) for i in range(12)] + [(30, 3, 2, 0, 3), (31, 3, 2, 0, 3)])
+    view = WorkingView(snapshot(versions=[0, 0, 0], trajs=trajs), {1: 0, 2: 0, 3: 0}, cost)
+    cmds = plan_migration(view, RoutingConfig(phi_wait=1, phi_throughput=5.0))
+    assert cmds[0] == Interrupt(0, (2, 1))
+    assert cmds[1] == Interrupt(1, tuple(range(10, 22)))
+    assert len(cmds) == 2
+    assert view.n_wait[0] == 1 and view.n_run[1] == 0
+
+
+def test_speculative_state_validation():
+    """Eq. 1 / Table 1: a snapshot that misses an issued Route is discarded."""
+    snap = snapshot(versions=[0, 0], trajs=[(1, 1, -1, 0, 5)], complete=[0, 0])
+    p = SpeculativeState.initial([0, 0])
+    assert snapshot_is_valid(p, snap)
+    p2 = apply_commands(p, [Route(1, (1,))], ps_version=0)
+    assert not snapshot_is_valid(p2, snap)
+    landed = snapshot(versions=[0, 0], trajs=[(1, 1, 1, 0, 5)], complete=[0, 0])
+    assert snapshot_is_valid(p2, landed)
+    p3 = apply_commands(p2, [Interrupt(1, (1,)), Pull(1)], ps_version=1)
+    assert p3.version_R.tolist() == [0, 1] and p3.accum_R.tolist() == [0, 0]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="mu=1.5"):
+        RoutingConfig(mu=1.5)
+    with pytest.raises(ValueError, match="sync='eager'"):
+        RoutingConfig(sync="eager")
+    with pytest.raises(ValueError, match="k1=-1"):
+        CostModel(k1=-1)
