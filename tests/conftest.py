@@ -34,10 +34,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def write_run_config(directory: Path, **overrides) -> Path:
+@pytest.fixture
+def write_run_config():
+    """Writes a RunConfig (defaults plus overrides) as DIR/config.json; returns the path."""
     from fnrl.config import RunConfig, from_dict, save_json
 
-    cfg = from_dict(RunConfig, overrides)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_json(cfg, directory / "config.json")
-    return directory / "config.json"
+    def write(directory: Path, **overrides) -> Path:
+        cfg = from_dict(RunConfig, overrides)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_json(cfg, directory / "config.json")
+        return directory / "config.json"
+
+    return write

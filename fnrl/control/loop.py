@@ -1,18 +1,34 @@
 """The controller loop: observe → decide → act, and nothing else changes the job.
 
-`observe` freezes the controller's bookkeeping into a Snapshot, `decide` (pure, in
-fnrl.policy.schedule) returns commands, and `act` starts one asyncio task per
-command. Tasks report back by updating the bookkeeping when they finish; the loop
-wakes on every completion and on a short tick that checks every role is alive.
+Each tick freezes the controller's bookkeeping into a ClusterSnapshot, the pure
+`fnrl.policy.schedule.decide` (the StaleFlow cycle under every preset) returns
+commands, and `act` applies each one to the bookkeeping at once, in order, starting
+an asyncio task for its I/O. So the next snapshot already reflects every command
+issued (the speculative state P matches it) while the I/O lands in the background:
+- Route: one streaming request per trajectory (n = 1); every token and log-prob goes
+  to the partial response pool before it counts. A trajectory with tokens continues
+  from them: prompt + streamed tokens are re-prefilled with the remaining budget,
+  and its next tokens carry the version the rollout serves now.
+- Interrupt / Migrate / Abort: cancel the stream (vLLM aborts a request whose client
+  went away); a later Route of the same trajectory waits for that cancel to land.
+- Pull: waits for the rollout's interrupted streams and evaluations, then loads the
+  relay's newest weights; the rollout's version changes when it lands.
+- Consume: takes exactly the named groups from the experience buffer, asserts the
+  staleness bound on every token, and trains.
+The loop wakes on every finished trajectory, landed pull or returned step, and on a
+short tick that checks that every role is alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -22,22 +38,40 @@ from fnrl.config import RunConfig
 from fnrl.control import wire
 from fnrl.control.metrics import MetricsWriter
 from fnrl.control.roles import Cluster
+from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
+from fnrl.control.workload import forced_length
+from fnrl.data import experience
 from fnrl.data.arith import Problem, PromptStream
+from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
-from fnrl.losses.core import ADVANTAGES
-from fnrl.policy.schedule import SchedulePlan, decide, select_batch
+from fnrl.policy import schedule
+from fnrl.policy.routing import SpeculativeState, snapshot_is_valid
 from fnrl.serving.client import RolloutClient
-from fnrl.trainer.step import pack_sequences, scatter_response
-from fnrl.types import (Evaluate, Generate, Group, Pull, RolloutView, Segment, Snapshot, Train,
-                        Trajectory)
+from fnrl.trainer.batching import build_batch
+from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group, Interrupt,
+                        Migrate, Pull, Route, Trajectory)
+
+TICK_S = 0.1
+METRICS_POLL_S = 1.0
+
+
+class StalenessViolation(AssertionError):
+    """A consumed batch holds a token older than the bound allows: a coordinator bug."""
 
 
 @dataclass
 class RolloutState:
     client: RolloutClient
     version: int = 0
-    busy: bool = False
-    busy_s: float = 0.0
+    kv_capacity: float = 1.0
+    kv_prev: float = 0.0
+    complete: int = 0                 # trajectories finished here since its last Pull
+    waiting: int = 0                  # vLLM's waiting-queue length, from /metrics
+    pull_task: asyncio.Task | None = None
+    evals: set = field(default_factory=set)      # evaluation tasks running here
+    streams: set = field(default_factory=set)    # stream tasks placed here, not done
+    active_s: float = 0.0             # time with at least one trajectory placed
+    kv_token_s: float = 0.0           # ∫ KV in use dt, for the mean utilization
 
 
 @dataclass
@@ -47,12 +81,11 @@ class Bookkeeping:
     trainer_version: int
     steps_done: int
     trainer_busy: bool = False
-    ready: list[Group] = field(default_factory=list)
-    inflight_groups: int = 0
-    dropped_stale: int = 0
+    buffer: experience.ExperienceBuffer = field(default_factory=experience.ExperienceBuffer)
     invalid_trajectories: int = 0
     generated_tokens: int = 0
     trained_tokens: int = 0
+    counts: Counter = field(default_factory=Counter)
     time: Counter = field(default_factory=Counter)
     last_eval: dict | None = None
     evaluated_versions: list[int] = field(default_factory=list)
@@ -66,124 +99,325 @@ class Controller:
                  eval_set: list[Problem], encode: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], reward_fn: Callable[[str, str], float],
                  eos_id: int, pad_id: int, seq_len: int, writer: MetricsWriter,
-                 trainer_version: int):
+                 trainer_version: int, run_dir: Path):
         self.cfg, self.cluster = cfg, cluster
         self.relay_address = relay_address
         self.rollouts = [RolloutState(c) for c in rollouts]
         self.prompts, self.eval_set = prompts, eval_set
         self.encode, self.decode, self.reward_fn = encode, decode, reward_fn
         self.eos_id, self.pad_id, self.seq_len = eos_id, pad_id, seq_len
-        self.writer = writer
+        self.writer, self.run_dir = writer, run_dir
         self.book = Bookkeeping(trainer_version=trainer_version, steps_done=trainer_version)
         self.trainer = trainer
-        self.plan = SchedulePlan(
-            mode=cfg.mode, total_steps=cfg.steps, groups_per_step=cfg.algo.groups_per_step,
-            groups_per_rollout_batch=cfg.rollout.groups_per_batch,
-            next_eval_version=trainer_version,
-            max_ready_groups=2 * cfg.algo.groups_per_step)
-        self._t0 = time.perf_counter()
-        self._last_step_t = self._t0
+        self.table = TrajectoryTable()
+        self.pool = PartialResponsePool(run_dir / "partial_responses.log",
+                                        fsync=cfg.coord.pool_fsync)
+        # A restarted controller starts its prompt stream afresh, so partial responses a
+        # previous controller left are not resumed; they are dropped, and counted.
+        self.leftover_partials = len(self.pool)
+        for uid in self.pool.live():
+            self.pool.drop(uid)
+        if self.leftover_partials:
+            self.pool.compact()
+        self.plan = schedule.SchedulePlan(
+            cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
+                                        prompt_groups=cfg.rollout.groups_per_batch),
+            total_steps=cfg.steps, eval_every=cfg.eval_every)
+        self.state: schedule.ScheduleState | None = None
+        self.tasks: set[asyncio.Task] = set()
+        self.wake = asyncio.Event()
+        self.timeline: list[dict] = []
+        self._trajectory_log = open(run_dir / "trajectories.jsonl", "a", buffering=1)
+        self._t0 = self._last_obs = self._last_step_t = time.perf_counter()
+        self._last_train_end = self._t0
+        self._eval_s_in_loop = 0.0
 
     # --- observe ------------------------------------------------------------------
 
-    def observe(self) -> Snapshot:
+    def observe(self):
+        now = time.perf_counter()
+        dt, self._last_obs = now - self._last_obs, now
         b = self.book
-        return Snapshot(
-            rollouts=tuple(RolloutView(i, r.version, r.busy) for i, r in enumerate(self.rollouts)),
-            trainer_version=b.trainer_version, trainer_busy=b.trainer_busy,
-            ready_groups=len(b.ready), inflight_groups=b.inflight_groups,
-            steps_done=b.steps_done)
-
-    def finished(self, snap: Snapshot) -> bool:
-        idle = not snap.trainer_busy and not any(r.busy for r in snap.rollouts)
-        return (idle and snap.steps_done >= self.cfg.steps
-                and snap.trainer_version in self.book.evaluated_versions)
+        snap = self.table.snapshot(
+            now_s=now - self._t0, ps_version=b.trainer_version,
+            trainer_idle=not b.trainer_busy,
+            inst_version_R=[r.version for r in self.rollouts],
+            inst_kv_prev_R=[r.kv_prev for r in self.rollouts],
+            inst_kv_capacity_R=[r.kv_capacity for r in self.rollouts],
+            inst_num_complete_R=[r.complete for r in self.rollouts],
+            waiting_counts=[r.waiting for r in self.rollouts])
+        placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(self.rollouts))
+        for r, state in enumerate(self.rollouts):
+            state.active_s += dt * bool(placed[r])
+            state.kv_token_s += dt * float(snap.inst_kv_used_R[r])
+            state.kv_prev = float(snap.inst_kv_used_R[r])
+        if not self.timeline or now - self.timeline[-1]["t"] >= 0.25:
+            self.timeline.append({"t": now - self._t0, "running": placed.tolist(),
+                                  "versions": snap.inst_version_R.tolist(),
+                                  "trainer_busy": b.trainer_busy})
+        return snap
 
     # --- the loop -----------------------------------------------------------------
 
     async def run(self) -> dict:
-        tasks: set[asyncio.Task] = set()
         bar = tqdm(total=self.cfg.steps, initial=self.book.steps_done, desc="rl", unit="step",
                    dynamic_ncols=True)
         self._bar = bar
         try:
+            for r in self.rollouts:
+                r.kv_capacity = float(self.cfg.rollout.kv_capacity_tokens
+                                      or await r.client.kv_capacity_tokens())
+            await self._evaluate(self.rollouts[0])
+            # One request per server first, so no server's first batch (lazy kernel set-up
+            # in the engine) lands inside the measured window.
+            probe = self.encode(self.eval_set[0].prompt)
+            await asyncio.gather(*(r.client.generate(probe, n=1, max_tokens=4, temperature=1.0,
+                                                     seed=0) for r in self.rollouts))
+            self._t0 = self._last_obs = self._last_step_t = time.perf_counter()
+            self.book.time.clear()
+            self.state = schedule.init_schedule(
+                self.plan, [r.version for r in self.rollouts], v_train=self.book.trainer_version,
+                steps_done=self.book.steps_done)
+            self._spawn(self._poll_metrics())
             while True:
                 self.cluster.check()
                 snap = self.observe()
-                if self.finished(snap):
+                if schedule.finished(self.state, self.plan, trainer_idle=not self.book.trainer_busy):
                     break
-                if snap.steps_done >= self.cfg.steps and snap.trainer_version not in \
-                        self.book.evaluated_versions:
-                    # Always evaluate the final version, whatever eval_every says.
-                    self.plan = dataclasses.replace(self.plan, next_eval_version=min(
-                        self.plan.next_eval_version, snap.trainer_version))
-                for cmd in decide(snap, self.plan):
-                    tasks.add(asyncio.create_task(self.act(cmd)))
-                if not tasks:
-                    raise RuntimeError(f"scheduler stalled: nothing running and nothing to do "
-                                       f"in {snap}")
-                done, tasks = await asyncio.wait(tasks, timeout=0.5,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()  # re-raises a task's failure here, in the loop
+                pulling = any(r.pull_task is not None for r in self.rollouts)
+                if not pulling and not snapshot_is_valid(self.state.cycle.speculative, snap):
+                    # Only a pull lands late; with none in flight P must match what is
+                    # observed. If not, a pull got another version than P assumed.
+                    self.book.counts["speculative_resets"] += 1
+                    self.state = dataclasses.replace(self.state, cycle=dataclasses.replace(
+                        self.state.cycle, speculative=SpeculativeState.from_snapshot(snap)))
+                self.state, cmds = schedule.decide(snap, self.state, self.plan)
+                for cmd in cmds:
+                    self.act(cmd)
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), TICK_S)
+                except asyncio.TimeoutError:
+                    pass
+                self._reap()
+            wall = time.perf_counter() - self._t0
+            self._eval_s_in_loop = self.book.time["eval_s"]
+            await self._shutdown_streams()
+            await self._final_eval()
         finally:
-            for t in tasks:
+            for t in self.tasks:
                 t.cancel()
             bar.close()
-        return self.summary()
+            self._trajectory_log.close()
+            self.pool.close()
+            (self.run_dir / "timeline.json").write_text(json.dumps(self.timeline))
+        return self.summary(wall)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        return task
+
+    def _reap(self) -> None:
+        """Re-raises, in the loop, the failure of any finished task."""
+        for t in [t for t in self.tasks if t.done()]:
+            self.tasks.discard(t)
+            if not t.cancelled():
+                t.result()
+
+    async def _shutdown_streams(self) -> None:
+        """Stops generation at the end: what was streamed stays in the pool."""
+        live = [t.task for t in self.table.trajs.values() if t.task is not None and not t.task.done()]
+        for task in live:
+            task.cancel()
+        await asyncio.gather(*live, return_exceptions=True)
+        self.book.counts["unfinished_at_end"] = sum(t.live and t.tokens > 0
+                                                    for t in self.table.trajs.values())
+
+    async def _final_eval(self) -> None:
+        if self.book.trainer_version in self.book.evaluated_versions:
+            return
+        rollout = self.rollouts[0]
+        if rollout.pull_task is not None:
+            await rollout.pull_task
+        await asyncio.gather(*rollout.evals, return_exceptions=True)
+        if rollout.version < self.book.trainer_version:
+            rollout.version = await rollout.client.pull(self.relay_address)
+        await self._evaluate(rollout)
 
     # --- act ----------------------------------------------------------------------
 
-    async def act(self, cmd) -> None:
-        """Marks the target busy at once (so the next observe sees it), then runs it."""
-        if isinstance(cmd, Train):
+    def act(self, cmd) -> None:
+        """Applies `cmd` to the bookkeeping now; its I/O runs as a task."""
+        counts = self.book.counts
+        if isinstance(cmd, FillPrompts):
+            for problem in self.prompts.take(cmd.num_groups):
+                prompt_ids = tuple(self.encode(problem.prompt))
+                base = len(self.table.trajs)
+                lens = [forced_length(self.cfg.rollout, self.cfg.seed, base + k)
+                        for k in range(self.cfg.algo.group_size)]
+                room = self.seq_len - len(prompt_ids)   # vLLM: prompt + max_tokens ≤ max_model_len
+                lens = [None if n is None else min(n, room) for n in lens]
+                self.table.add_group(problem, prompt_ids, lens)
+        elif isinstance(cmd, Route):
+            for tid in cmd.tids:
+                self._place(self.table.trajs[tid], cmd.rid)
+            counts["routed"] += len(cmd.tids)
+        elif isinstance(cmd, Interrupt):
+            for tid in cmd.tids:
+                self._unplace(self.table.trajs[tid], cmd.rid)
+            counts["interrupted"] += len(cmd.tids)
+        elif isinstance(cmd, Migrate):
+            for tid in cmd.tids:
+                t = self.table.trajs[tid]
+                self._unplace(t, cmd.src)
+                self._place(t, cmd.dst)
+            counts["migrated"] += len(cmd.tids)
+            counts["repacks"] += 1
+        elif isinstance(cmd, Abort):
+            for tid in cmd.tids:
+                t = self.table.trajs[tid]
+                if cmd.rid is not None:
+                    self._unplace(t, cmd.rid)
+                t.aborted = True
+                self.pool.drop(t.uid)
+            counts["aborted"] += len(cmd.tids)
+        elif isinstance(cmd, DropGroups):
+            self.book.buffer = experience.discard(self.book.buffer, cmd.gids)
+            for gid in cmd.gids:
+                self.table.groups[gid].dropped = True
+            counts["dropped_groups"] += len(cmd.gids)
+        elif isinstance(cmd, Pull):
+            rollout = self.rollouts[cmd.rid]
+            rollout.complete = 0
+            # Waits only for tasks issued before it (so no two tasks wait on each other).
+            rollout.pull_task = self._spawn(self._pull(cmd.rid, list(rollout.streams),
+                                                       list(rollout.evals)))
+            counts["pulls"] += 1
+        elif isinstance(cmd, Consume):
             self.book.trainer_busy = True
-            await self._train(cmd.num_groups)
-            self.book.trainer_busy = False
-            return
-        rollout = self.rollouts[cmd.rid]
-        rollout.busy = True
-        t0 = time.perf_counter()
-        if isinstance(cmd, Pull):
-            rollout.version = await rollout.client.pull(self.relay_address)
-            self.book.time["pull_s"] += time.perf_counter() - t0
-        elif isinstance(cmd, Generate):
-            await self._generate(rollout, cmd.num_groups)
-            self.book.time["generate_s"] += time.perf_counter() - t0
+            self.book.buffer, batch = self._take(cmd.gids)
+            self._spawn(self._train(cmd, batch))
         elif isinstance(cmd, Evaluate):
-            self.plan = dataclasses.replace(self.plan,
-                                            next_eval_version=cmd.version + self.cfg.eval_every)
-            await self._evaluate(rollout, cmd.version)
-            self.book.time["eval_s"] += time.perf_counter() - t0
-        rollout.busy = False
-        rollout.busy_s += time.perf_counter() - t0
+            rollout = self.rollouts[cmd.rid]
+            task = self._spawn(self._evaluate(rollout, after=rollout.pull_task))
+            rollout.evals.add(task)
+            task.add_done_callback(rollout.evals.discard)
+        else:
+            raise TypeError(f"unknown command {cmd!r}")
 
-    async def _generate(self, rollout: RolloutState, num_groups: int) -> None:
-        problems = self.prompts.take(num_groups)
-        self.book.inflight_groups += num_groups
+    def _place(self, t: Tracked, rid: int) -> None:
+        assert t.live and t.inst == IN_TS, (t.tid, t.inst, rid)
+        t.inst, t.started = rid, False
+        t.placements += 1
+        rollout = self.rollouts[rid]
+        t.task = self._spawn(self._stream(t, rollout, prior=t.task, pull=rollout.pull_task,
+                                          evals=list(rollout.evals)))
+        rollout.streams.add(t.task)
+        t.task.add_done_callback(rollout.streams.discard)
+
+    def _unplace(self, t: Tracked, rid: int) -> None:
+        assert t.live and t.inst == rid, (t.tid, t.inst, rid)
+        t.inst = IN_TS
+        if t.task is not None:
+            t.task.cancel()
+
+    def _take(self, gids):
+        batch, buffer = experience.take(self.book.buffer, gids)
+        return buffer, batch
+
+    # --- rollout I/O ----------------------------------------------------------------
+
+    async def _stream(self, t: Tracked, rollout: RolloutState, *, prior, pull, evals) -> None:
+        if prior is not None:
+            await asyncio.wait([prior])   # the interrupt of its last placement has landed
+        if pull is not None:
+            await asyncio.wait([pull])    # a Pull issued before this Route has landed
+        if evals:
+            await asyncio.wait(evals)     # evaluations have their rollout to themselves
+        if t.uid not in self.pool:
+            self.pool.start(t.uid, t.prompt_ids)
+        item = self.pool.get(t.uid)
+        streamed = tuple(tok for s in item.segments for tok in s.token_ids)
+        budget = (t.target_len or self.cfg.algo.max_new_tokens) - len(streamed)
+        if streamed:
+            self.book.counts["reprefill_tokens"] += len(t.prompt_ids) + len(streamed)
+            self.book.counts["continued"] += 1
         version = rollout.version
+        reason = "length"
+        if budget > 0:
+            forced = t.target_len is not None
+            stream = rollout.client.generate_stream(
+                t.prompt_ids + streamed, max_tokens=budget,
+                temperature=self.cfg.algo.temperature, seed=None,
+                stop_token_ids=() if forced else (self.eos_id,), ignore_eos=forced,
+                request_id=f"{t.uid}#{t.placements}")
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    if chunk.token_ids:
+                        # Durable before it counts: an interrupt or crash keeps it.
+                        self.pool.append(t.uid, version, chunk.token_ids, chunk.logprobs)
+                        t.tokens += len(chunk.token_ids)
+                        t.started = True
+                        self.book.generated_tokens += len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        reason = chunk.finish_reason
+                        break
+        self.pool.finish(t.uid, reason)
+        t.finished = True
+        rollout.complete += 1
+        self._group_done(t.gid)
+        self.wake.set()
 
-        async def one_group(problem: Problem) -> None:
-            prompt_ids = self.encode(problem.prompt)
-            completions = await rollout.client.generate(
-                prompt_ids, n=self.cfg.algo.group_size, max_tokens=self.cfg.algo.max_new_tokens,
-                temperature=self.cfg.algo.temperature, seed=None, stop_token_ids=[self.eos_id])
-            trajs = []
-            for k, c in enumerate(completions):
-                text = self.decode([t for t in c.token_ids if t != self.eos_id])
-                reward = checked_reward(self.reward_fn(text, problem.answer))
-                self.book.invalid_trajectories += reward is None
-                self.book.generated_tokens += len(c.token_ids)
-                trajs.append(Trajectory(
-                    uid=f"{problem.uid}/{k}", prompt_ids=tuple(prompt_ids),
-                    segments=(Segment(version, tuple(c.token_ids), tuple(c.logprobs)),),
-                    finish_reason=c.finish_reason, reward=reward))
-            self.book.ready.append(Group(problem, tuple(trajs)))
-            self.book.inflight_groups -= 1
+    def _group_done(self, gid: int) -> None:
+        """Rewards a group whose members have all finished, into the experience buffer."""
+        rec = self.table.groups[gid]
+        members = [self.table.trajs[i] for i in rec.tids]
+        if not all(m.finished for m in members) or rec.dropped:
+            return
+        trajs = []
+        for m in members:
+            item = self.pool.get(m.uid)
+            ids = [tok for s in item.segments for tok in s.token_ids]
+            answer = ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids
+            reward = checked_reward(self.reward_fn(self.decode(answer), rec.problem.answer))
+            self.book.invalid_trajectories += reward is None
+            trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids,
+                                    segments=item.segments, finish_reason=item.finish_reason,
+                                    reward=reward))
+        self.book.buffer, _ = experience.add(self.book.buffer,
+                                             [(gid, Group(rec.problem, tuple(trajs)))])
+        self.table.rewarded.append(gid)
 
-        await asyncio.gather(*(one_group(p) for p in problems))
+    async def _pull(self, rid: int, streams: list, evals: list) -> None:
+        rollout = self.rollouts[rid]
+        if streams:
+            await asyncio.wait(streams)   # interrupted streams have closed
+        if evals:
+            await asyncio.wait(evals)     # an evaluation pins the version it started on
+        t0 = time.perf_counter()
+        rollout.version = await rollout.client.pull(self.relay_address)
+        t1 = time.perf_counter()
+        self.book.time["pull_s"] += t1 - t0
+        self.timeline.append({"t": t1 - self._t0, "event": "pull", "rid": rid,
+                              "t0": t0 - self._t0, "version": rollout.version})
+        rollout.pull_task = None
+        self.wake.set()
 
-    async def _evaluate(self, rollout: RolloutState, version: int) -> None:
+    async def _poll_metrics(self) -> None:
+        """vLLM's waiting-queue lengths, for the snapshot's waiting flags."""
+        while True:
+            for r in self.rollouts:
+                r.waiting = int((await r.client.metrics())["vllm:num_requests_waiting"])
+            await asyncio.sleep(METRICS_POLL_S)
+
+    async def _evaluate(self, rollout: RolloutState, *, after=None) -> None:
+        """Greedy held-out accuracy of the version `rollout` serves (after a pending pull)."""
+        if after is not None:
+            await asyncio.wait([after])
+        version = rollout.version
+        t0 = time.perf_counter()
+
         async def one(problem: Problem) -> tuple[int, float]:
             (c,) = await rollout.client.generate(
                 self.encode(problem.prompt), n=1, max_tokens=self.cfg.algo.max_new_tokens,
@@ -197,73 +431,104 @@ class Controller:
             by_level.setdefault(level, []).append(r)
         record = {"accuracy": float(np.mean([r for _, r in results])),
                   **{f"accuracy_level{k}": float(np.mean(v)) for k, v in sorted(by_level.items())},
+                  "trained_tokens": self.book.trained_tokens,
                   "wall_s": time.perf_counter() - self._t0}
         self.writer.write("eval", version, record)
         self.book.last_eval = {"version": version, **record}
         self.book.evaluated_versions.append(version)
+        self.book.time["eval_s"] += time.perf_counter() - t0
         self._bar.write(f"eval @ version {version}: held-out accuracy {100 * record['accuracy']:.1f}%")
+        self.wake.set()
 
-    async def _train(self, num_groups: int) -> None:
+    # --- train ----------------------------------------------------------------------
+
+    async def _train(self, cmd: Consume, batch) -> None:
         b = self.book
-        batch, stale, rest = select_batch(b.ready, trainer_version=b.trainer_version,
-                                          max_staleness=self.cfg.max_staleness,
-                                          num_groups=num_groups)
-        b.dropped_stale += sum(len(g.trajectories) for g in stale)
-        if len(batch) < num_groups:  # staleness filtering left too few: wait for more
-            b.ready = list(batch) + list(rest)
-            return
-        b.ready = list(rest)
-        arrays, stats = self.make_batch(batch, b.trainer_version)
+        groups = tuple(x.group for x in batch)
+        if cmd.version != b.trainer_version:
+            raise StalenessViolation(f"Consume names version {cmd.version} but the trainer "
+                                     f"is at {b.trainer_version}")
+        eta = self.cfg.coord.eta
+        for g in groups:
+            # The bound, on every consumed token: V_token + η ≥ V_buf (StaleFlow §4.2).
+            if g.version + eta < cmd.version:
+                raise StalenessViolation(f"group {g.problem.uid} has a token of version "
+                                         f"{g.version}, too old for buffer {cmd.version} (η={eta})")
+        arrays, stats = self.make_batch(groups, b.trainer_version)
         t0 = time.perf_counter()
         header = await asyncio.to_thread(self.trainer.call, {"cmd": "train"}, arrays,
                                          timeout_s=self.cfg.trainer_timeout_s)
-        b.time["train_call_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        b.time["train_call_s"] += t1 - t0
+        self._last_train_end = t1
+        self.timeline.append({"t": t1 - self._t0, "event": "train", "t0": t0 - self._t0,
+                              "version": cmd.version})
+        for x in batch:
+            for traj in x.group.trajectories:
+                self.pool.drop(traj.uid)
+            self._trajectory_log.write(json.dumps({
+                "gid": x.gid, "consumed_version": cmd.version,
+                "tids": list(self.table.groups[x.gid].tids),
+                "trajectories": [{"uid": tr.uid, "segments": [[s.version, len(s.token_ids)]
+                                                              for s in tr.segments]}
+                                 for tr in x.group.trajectories]}) + "\n")
         b.trainer_version = header["version"]
         b.steps_done += 1
         b.trained_tokens += stats["tokens"]
-        self._log_step(header["metrics"], stats)
+        b.counts["consumed_groups"] += len(groups)
+        b.trainer_busy = False
+        self._log_step(header["metrics"], {**stats, "staleness_bound_ok": True, "eta": eta})
+        self.wake.set()
 
     def make_batch(self, groups: tuple[Group, ...], trainer_version: int):
-        """Arrays for one train step, plus host-side statistics of what went in."""
+        """Arrays for one train step (length buckets, packing and micro-batches per the
+        trainer config; advantages per the algorithm), plus host-side statistics."""
         trajs = [t for g in groups for t in g.trajectories]
-        rewards = np.array([[t.reward if t.reward is not None else np.nan
-                             for t in g.trajectories] for g in groups], np.float32)
-        valid = np.isfinite(rewards)
-        adv = ADVANTAGES["grpo"](np.where(valid, rewards, 0.0), self.cfg.algo.adv_eps)
-        adv = np.where(valid, adv, 0.0).reshape(-1)  # invalid trajectories get no gradient
-        prompts = [t.prompt_ids for t in trajs]
-        responses = [t.response_ids for t in trajs]
-        arrays = pack_sequences(prompts, responses, self.seq_len, self.pad_id)
-        plens = [len(p) for p in prompts]
-        arrays["behaviour_logp_BxT"] = scatter_response([t.logprobs for t in trajs], plens,
-                                                        self.seq_len)
-        arrays["mask_BxT"] *= valid.reshape(-1)[:, None]
-        arrays["adv_B"] = adv.astype(np.float32)
+        arrays, info = build_batch([g.trajectories for g in groups], algo=self.cfg.algo,
+                                   trainer=self.cfg.trainer, seq_len=self.seq_len,
+                                   pad_id=self.pad_id)
         versions = np.concatenate([np.asarray(t.versions, np.int64) for t in trajs])
         staleness = trainer_version - versions
         stats = {
-            "reward_mean": float(np.nanmean(rewards)),
-            "tokens": int(arrays["mask_BxT"].sum()),
+            "reward_mean": info["reward_mean"],
+            "tokens": info["tokens"],
+            "zero_variance_groups": info["zero_variance_groups"],
+            "batch_length": info["length"],
+            "batch_fill": info["fill"],
             "staleness_mean": float(staleness.mean()),
             "staleness_max": int(staleness.max()),
             "staleness_hist": np.bincount(staleness, minlength=1).tolist(),
-            "response_len_mean": float(np.mean([len(r) for r in responses])),
-            "zero_variance_groups": int(np.sum(np.nanstd(rewards, axis=1) == 0)),
+            "response_len_mean": float(np.mean([len(t.response_ids) for t in trajs])),
             "per_token_versions_ok": all(len(t.versions) == len(t.response_ids) for t in trajs),
         }
         return arrays, stats
 
+    # --- metrics ----------------------------------------------------------------------
+
+    def utilization(self) -> dict:
+        """Idle ratios and KV use since the loop started; the same keys for every preset.
+        Evaluation time is not counted (it is not RL work)."""
+        b = self.book
+        wall = max(time.perf_counter() - self._t0 - b.time["eval_s"], 1e-9)
+        active = np.array([r.active_s for r in self.rollouts])
+        kv = np.array([r.kv_token_s / max(r.kv_capacity, 1.0) for r in self.rollouts])
+        return {"wall_s": wall, "trainer_idle_frac": 1.0 - b.time["train_call_s"] / wall,
+                "rollout_idle_frac": float(np.mean(1.0 - np.minimum(active / wall, 1.0))),
+                "kv_util": float(np.mean(kv / wall)),
+                "trained_tokens_total": b.trained_tokens,
+                "trained_tokens_per_s_cum": b.trained_tokens / wall}
+
     def _log_step(self, trainer_metrics: dict, stats: dict) -> None:
         b = self.book
         now = time.perf_counter()
-        wall = now - self._t0
         record = {**{k: v for k, v in trainer_metrics.items()}, **stats,
+                  "preset": self.cfg.preset or "custom",
                   "trained_tokens_per_s": stats["tokens"] / max(now - self._last_step_t, 1e-9),
-                  "generated_tokens": b.generated_tokens, "dropped_stale": b.dropped_stale,
-                  "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
+                  "generated_tokens": b.generated_tokens,
+                  "invalid_trajectories": b.invalid_trajectories,
                   **{f"time/{k}": v for k, v in b.time.items()},
-                  "trainer_idle_frac": 1.0 - b.time["train_call_s"] / max(wall, 1e-9),
-                  "rollout_busy_frac": float(np.mean([r.busy_s for r in self.rollouts])) / wall,
+                  **{k: b.counts[k] for k in COUNT_KEYS},
+                  **self.utilization(),
                   "rollout_versions": [r.version for r in self.rollouts]}
         self._last_step_t = now
         self.writer.write("train", b.trainer_version, record)
@@ -272,8 +537,19 @@ class Controller:
                               stale=f"{stats['staleness_mean']:.2f}")
         self._bar.update(1)
 
-    def summary(self) -> dict:
-        return {"steps": self.book.steps_done, "version": self.book.trainer_version,
-                "last_eval": self.book.last_eval, "dropped_stale": self.book.dropped_stale,
-                "invalid_trajectories": self.book.invalid_trajectories,
-                "wall_s": time.perf_counter() - self._t0}
+    def summary(self, wall: float) -> dict:
+        b = self.book
+        # RL time: from the first cycle to the last step's return, evaluations excluded.
+        train_wall = max(self._last_train_end - self._t0 - self._eval_s_in_loop, 1e-9)
+        return {"steps": b.steps_done, "version": b.trainer_version, "last_eval": b.last_eval,
+                "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
+                "train_wall_s": train_wall, "trained_tokens": b.trained_tokens,
+                "trained_tokens_per_s": b.trained_tokens / train_wall,
+                "generated_tokens": b.generated_tokens,
+                **{k: b.counts[k] for k in COUNT_KEYS}, **self.utilization()}
+
+
+# Counters every preset reports, so runs compare key for key.
+COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
+              "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
+              "unfinished_at_end")

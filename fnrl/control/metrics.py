@@ -76,3 +76,42 @@ def plot_run(run_dir: Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def plot_timeline(run_dir: Path) -> Path | None:
+    """Running trajectories per rollout and trainer / pull intervals over time, from
+    timeline.json, into timeline.png (None if the run wrote no timeline)."""
+    path = run_dir / "timeline.json"
+    if not path.exists():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = json.loads(path.read_text())
+    samples = [x for x in items if "running" in x]
+    events = [x for x in items if "event" in x]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(14, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    if samples:
+        t = np.array([x["t"] for x in samples])
+        running = np.array([x["running"] for x in samples])
+        for r in range(running.shape[1]):
+            top.step(t, running[:, r], where="post", lw=1, label=f"rollout {r}")
+        top.legend(loc="upper right", fontsize=8)
+    top.set(title="trajectories placed per rollout", ylabel="trajectories")
+    lanes = 1 + max([e.get("rid", -1) for e in events] + [-1]) + 1
+    for e in events:
+        lane = 0 if e["event"] == "train" else 1 + e["rid"]
+        color = "tab:red" if e["event"] == "train" else "tab:blue"
+        bottom.barh(lane, e["t"] - e["t0"], left=e["t0"], color=color, height=0.6)
+        if e["event"] == "train":
+            bottom.text(e["t0"], lane, f"v{e['version']}", fontsize=6, va="center")
+    bottom.set_yticks(range(lanes), ["train"] + [f"pull r{r}" for r in range(lanes - 1)])
+    bottom.set(xlabel="seconds since the first cycle", title="train steps (red), pulls (blue)")
+    fig.tight_layout()
+    out = run_dir / "timeline.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fnrl.control.wire import RoleError, log_tail
-from fnrl.relay.launch import wait_relay_ready
+from fnrl.relay.config import RelayConfig
+from fnrl.relay.launch import relay_argv, wait_relay_ready
+from fnrl.relay.tier import RelayMember, RelayTier
 from fnrl.serving.server import ServerSpec, free_port, launch_server, wait_ready
 
 
@@ -45,6 +47,7 @@ class Cluster:
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.roles: list[RoleProcess] = []
+        self.relay_tier: RelayTier | None = None
 
     def _add(self, role: RoleProcess) -> RoleProcess:
         """Registers a role and records every pid in roles.json (for operators and tests)."""
@@ -54,11 +57,29 @@ class Cluster:
              for r in self.roles}, indent=2))
         return role
 
-    def start_relay(self, name: str = "relay0") -> RoleProcess:
+    def start_relay(self, name: str = "relay0", cfg: RelayConfig | None = None) -> RoleProcess:
         address = f"tcp://127.0.0.1:{free_port()}"
-        role = _spawn(name, [sys.executable, "-m", "fnrl.relay.role", "--address", address,
-                             "--name", name], self.run_dir / "logs" / f"{name}.log", address)
+        role = _spawn(name, relay_argv(address, name, cfg),
+                      self.run_dir / "logs" / f"{name}.log", address)
         return self._add(role)
+
+    def start_relays(self, cfg: RelayConfig, timeout_s: float = 60.0) -> RelayTier:
+        """`cfg.num_relays` relays (one per simulated host) in a broadcast chain whose
+        monitor splices out dead relays and re-elects a dead master. The tier's `addresses`
+        (master first) go to the trainer; rollout i pulls from `addresses[i % n]`."""
+        roles = [self.start_relay(f"relay{i}", cfg) for i in range(cfg.num_relays)]
+        members = []
+        for role in roles:
+            try:
+                ping = wait_relay_ready(role.address, role.proc, timeout_s)
+            except RuntimeError as err:
+                raise RoleError(f"{err}{log_tail(str(role.log_path))}") from err
+            members.append(RelayMember(name=role.name, address=role.address,
+                                       ucx_address=ping["ucx_address"], proc=role.proc))
+        self.relay_tier = RelayTier(members, cfg)
+        self.relay_tier.configure()
+        self.relay_tier.start_monitor()
+        return self.relay_tier
 
     def start_trainer(self, config_path: Path, model_dir: Path, relay: str) -> RoleProcess:
         address = f"tcp://127.0.0.1:{free_port()}"
@@ -89,13 +110,19 @@ class Cluster:
                     raise RoleError(f"{role.name}: {err}") from err
 
     def check(self) -> None:
+        tier = self.relay_tier
         for role in self.roles:
             code = role.proc.poll()
+            if code is not None and tier is not None and role.name in tier.members \
+                    and len(tier.plan.order) > 1:
+                continue  # the tier's monitor splices a dead relay out of the chain
             if code is not None:
                 raise RoleError(f"{role.name} exited with code {code}{log_tail(str(role.log_path))}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every role, then SIGKILL what is left after the grace period."""
+        if self.relay_tier is not None:
+            self.relay_tier.stop_monitor()
         for role in self.roles:
             if role.proc.poll() is None:
                 _signal_group(role.proc, signal.SIGTERM)

@@ -1,8 +1,8 @@
 """A synthetic, verifiable arithmetic task with graded difficulty.
 
-Problems are symbol expressions ("37+45=", "4-8*3=") with integer answers. Levels grow the number of digits and
-operands, so answers range from one to four characters and a tiny model finds the
-low levels easy and the high levels hard: the spread GRPO needs to learn from.
+Problems are symbol expressions over three digits ("2+3+5=", "6*7-9=") with integer
+answers of one to two characters (three with a sign). Levels differ in their
+operators, so a tiny model finds some easy and some hard: the spread GRPO learns from.
 
 The tokenizer is character level, built with `tokenizers`, and saved as a
 `tokenizer.json` that both fnrl and vLLM load.
@@ -54,30 +54,21 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
+# Every level combines three digits 0-9 in its own surface form, so a held-out prompt is a
+# new string built from single-digit facts that training does show: generalisation a
+# small model can reach, unlike held-out multi-digit facts (a lookup it never saw).
+_LEVEL_FORMS = {1: "{a}+{b}+{c}", 2: "{a}+{b}-{c}", 3: "{a}-{b}+{c}", 4: "{a}*{b}+{c}",
+                5: "{a}*{b}-{c}"}
+
+
 def _expression(rng: random.Random, level: int) -> tuple[str, int]:
-    if level == 1:
-        a, b = rng.randint(0, 19), rng.randint(0, 9)
-        op = rng.choice("+-")
-    elif level == 2:
-        a, b = rng.randint(10, 99), rng.randint(0, 9)
-        op = rng.choice("+-*")
-    elif level == 3:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        op = rng.choice("+-")
-    elif level == 4:
-        a, b, c = rng.randint(0, 9), rng.randint(0, 9), rng.randint(0, 9)
-        op1, op2 = rng.choice("+-"), rng.choice("+-*")
-        text = f"{a}{op1}{b}{op2}{c}"
-        return text, eval(text)  # noqa: S307 - our own digits and operators only
-    else:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        op = "*"
-    text = f"{a}{op}{b}"
-    return text, eval(text)  # noqa: S307
+    a, b, c = rng.randint(0, 9), rng.randint(0, 9), rng.randint(0, 9)
+    text = _LEVEL_FORMS[level].format(a=a, b=b, c=c)
+    return text, eval(text)  # noqa: S307 - our own digits and operators only
 
 
 def make_problem(rng: random.Random, level: int, uid: str) -> Problem:
-    """One problem of the given level (1 = one-digit sums ... 5 = two-digit products)."""
+    """One problem of the given level (1 = a+b+c ... 5 = a*b-c)."""
     expr, value = _expression(rng, level)
     return Problem(uid=uid, prompt=f"{expr}=", answer=str(value), level=level)
 

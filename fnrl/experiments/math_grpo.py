@@ -1,12 +1,17 @@
 """The main job: asynchronous GRPO on a synthetic math task.
 
-    python -m fnrl.experiments.math_grpo                   # embedded default, CPU
-    python -m fnrl.experiments.math_grpo --mode sync --steps 20
+    python -m fnrl.experiments.math_grpo                   # preset fnrl, embedded model, CPU
+    python -m fnrl.experiments.math_grpo --preset sync --steps 20
+    python -m fnrl.experiments.math_grpo --preset staleflow --coord.eta 2
     python -m fnrl.experiments.math_grpo --help
+
+`--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
+fnrl.experiments.presets) sets the coordinator; any other flag overrides it.
 
 Starts a relay, a trainer process and vLLM servers, then runs the controller loop in
 this process. The run directory gets the resolved config, seed and code version,
-metrics.jsonl, TensorBoard events, curves.png, role logs and Orbax checkpoints.
+metrics.jsonl, TensorBoard events, curves.png, timeline.png, trajectories.jsonl, the
+partial response pool's log, role logs and Orbax checkpoints.
 A role that dies ends the job with that role's error.
 """
 
@@ -25,11 +30,12 @@ from tokenizers import Tokenizer
 
 from fnrl.config import RunConfig, save_json
 from fnrl.control.loop import Controller
-from fnrl.control.metrics import MetricsWriter, plot_run
+from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.roles import Cluster
 from fnrl.control.wire import RoleClient, RoleError
 from fnrl.data.arith import BOS, EOS, PAD, PromptStream, eval_problems
 from fnrl.data.reward import math_reward
+from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, free_port
@@ -81,14 +87,18 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
                            held_out=frozenset(p.prompt for p in eval_set))
     urls = [r.address for r in cluster.roles if r.name.startswith("rollout")]
     max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-    async with aiohttp.ClientSession() as session:
+    # Idle connections close on our side before uvicorn's 5 s keep-alive closes them on
+    # the server's, so a request never goes out on a socket the server is closing.
+    connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(connector=connector) as session:
         clients = [RolloutClient(u, session, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         controller = Controller(
             cfg, cluster=cluster, trainer=trainer, relay_address=relay_address,
             rollouts=clients, prompts=prompts, eval_set=eval_set,
             encode=lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids,
             decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos, pad_id=pad,
-            seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version)
+            seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version,
+            run_dir=run_dir)
         # Servers start from the model directory (version 0); after a resume they catch up.
         for c, state in zip(clients, controller.rollouts):
             state.version = await c.pull(relay_address) if trainer_version > 0 else 0
@@ -129,14 +139,31 @@ def run(cfg: RunConfig) -> dict:
     finally:
         cluster.stop()
     plot_run(run_dir)
+    plot_timeline(run_dir)
     summary["run_dir"] = str(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
+def _preset_name(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--preset="):
+            return arg.split("=", 1)[1]
+    return DEFAULT_PRESET
+
+
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    """The preset's config (`--preset`, default fnrl) with every other flag applied."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = apply_preset(_preset_name(argv))
+    return tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = tyro.cli(RunConfig, args=argv, description=__doc__)
     try:
+        cfg = parse_config(argv)
         summary = run(cfg)
     except RoleError as err:
         print(f"fnrl: {err}", file=sys.stderr)

@@ -29,7 +29,7 @@ from fnrl.models.hf_io import save_pretrained
 from fnrl.models.qwen2 import Qwen2Config, forward, init_model
 from fnrl.trainer.step import init_state, pack_sequences, sft_step
 
-_RECIPE_VERSION = 1  # bump when the recipe below changes what gets built
+_RECIPE_VERSION = 2  # bump when the recipe below changes what gets built
 
 
 def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> Qwen2Config:
@@ -78,6 +78,11 @@ def greedy_accuracy(graphdef, params, tok, problems, max_new_tokens: int) -> flo
     return float(np.mean(correct))
 
 
+def demonstration(answer: str, teacher: random.Random, error_rate: float) -> str:
+    """What the imperfect teacher writes: the answer, with a stray "0" at `error_rate`."""
+    return answer + "0" if teacher.random() < error_rate else answer
+
+
 def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartConfig,
                         out_dir: Path) -> dict:
     """Initialises, fine-tunes and saves the tiny model; returns what was measured."""
@@ -96,12 +101,16 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
                           held_out=frozenset(p.prompt for p in eval_set))
     seq_len = model.max_position_embeddings
     t0 = time.perf_counter()
+    teacher = random.Random(f"{model.seed}:teacher")
     for _ in tqdm(range(warm.steps), desc="warm start (SFT)", unit="step"):
         batch = stream.take(warm.batch_size)
         prompts = [tuple(encode_prompt(tok, p.prompt)) for p in batch]
-        answers = [tuple(tok.encode(p.answer, add_special_tokens=False).ids) + (ids[EOS],)
-                   for p in batch]
-        state, metrics = step(state, pack_sequences(prompts, answers, seq_len, ids[PAD]))
+        answers = [tuple(tok.encode(demonstration(p.answer, teacher, warm.demo_error_rate),
+                                    add_special_tokens=False).ids) + (ids[EOS],) for p in batch]
+        # Pad to a multiple of 8, not the model's maximum: few shapes, little padding.
+        longest = max(len(p) + len(a) for p, a in zip(prompts, answers)) - 1
+        width = min(seq_len, -(-longest // 8) * 8)
+        state, metrics = step(state, pack_sequences(prompts, answers, width, ids[PAD]))
     accuracy = greedy_accuracy(graphdef, state.params, tok, eval_set, max_new_tokens=6)
     with tempfile.TemporaryDirectory() as tok_dir:
         save_tokenizer(tok, Path(tok_dir))
@@ -117,7 +126,6 @@ def ensure_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCo
     """The cached warm-started model directory, building it if it is missing."""
     out = default_model_dir(model, task, warm)
     if not (out / "warm_start.json").exists():
-        random.seed(model.seed)
         info = build_default_model(model, task, warm, out)
         print(f"warm start: {info['params']:,} parameters, held-out greedy accuracy "
               f"{100 * info['heldout_greedy_accuracy']:.1f}% after {warm.steps} SFT steps "

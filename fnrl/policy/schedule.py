@@ -1,103 +1,91 @@
-"""When to generate, pull, train and evaluate: pure functions of a Snapshot.
+"""The run schedule: one pure `decide(snapshot, state, plan)` for every preset.
 
-Two schedules over one mechanism, so they compare like with like:
+Every preset (fnrl.experiments.presets) is a configuration of one mechanism, StaleFlow's
+snapshot → command cycle (fnrl.policy.cycle), so ablations compare like with like:
 
-- `sync`: a global barrier. Generate one batch on the newest version, train on it,
-  publish, pull everywhere, repeat. Every trajectory has staleness 0.
-- `laminar`: trajectory-level asynchrony (Laminar, seed 000 §3). A rollout generates
-  its own batch start to finish on one version and pulls the newest version from its
-  relay only when that batch is done; the trainer consumes completed groups as soon as
-  a step's worth is ready, without waiting for any rollout to finish.
+- `sync` is η = 0: a trajectory may only be admitted on the trainer's own version, so
+  rollouts generate one batch, stop, the trainer consumes it, rollouts pull: a global
+  barrier falls out of the bound.
+- `one_step` is η = 1 with rollouts pulling only when they run dry.
+- `partial_rollout` pulls on every new version, interrupting what runs and continuing
+  it on the new weights from its streamed tokens (AReaL).
+- `laminar` pulls when a rollout runs dry and repacks long tails (a loose η).
+- `staleflow` is lazy sync, routing and migration under η.
+
+Around the cycle this module decides what the cycle does not: to stop consuming once
+the run's steps are issued, and when to evaluate held-out accuracy (on an idle rollout
+that already serves the version due, so evaluation never forces a pull).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
 
-from fnrl.types import Command, Evaluate, Generate, Group, Pull, Snapshot, Train
+import numpy as np
+
+from fnrl.config import CoordinatorConfig
+from fnrl.policy import staleness as st
+from fnrl.policy.cycle import CycleConfig, CycleState, decide_cycle, init_cycle_state
+from fnrl.types import ClusterSnapshot, Consume, Evaluate
+
+
+def cycle_config(coord: CoordinatorConfig, *, batch_groups: int, prompt_groups: int) -> CycleConfig:
+    """The coordinator's CycleConfig; buffers hold one training step's groups."""
+    return CycleConfig(
+        staleness=st.StalenessConfig(eta=coord.eta, batch_size=batch_groups,
+                                     stuck_timeout_s=coord.stuck_timeout_s or None),
+        routing=coord.routing, cost=coord.cost,
+        repack=coord.repack if coord.use_repack else None,
+        balance=coord.balance if coord.use_balance else None,
+        prompt_groups=prompt_groups)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulePlan:
-    mode: str
+    cycle: CycleConfig
     total_steps: int
-    groups_per_step: int
-    groups_per_rollout_batch: int
-    next_eval_version: int  # evaluate the first version served at or after this one
-    # Laminar backpressure: how many completed groups may wait before rollouts pause.
-    max_ready_groups: int
+    eval_every: int
 
 
-def decide(snap: Snapshot, plan: SchedulePlan) -> tuple[Command, ...]:
-    """The commands to issue now. Never issues work to a busy rollout or trainer."""
-    if plan.mode == "sync":
-        return _decide_sync(snap, plan)
-    if plan.mode == "laminar":
-        return _decide_laminar(snap, plan)
-    raise ValueError(f"unknown schedule mode {plan.mode!r}")
+@dataclass(frozen=True, eq=False)
+class ScheduleState:
+    cycle: CycleState
+    consumed: int             # Consume commands issued so far (train steps started)
+    next_eval_version: int    # evaluate the first version served at or after this one
 
 
-def _groups_still_needed(snap: Snapshot, plan: SchedulePlan) -> int:
-    """Groups to start so that the remaining steps can be fed (nothing generated in vain)."""
-    needed = (plan.total_steps - snap.steps_done) * plan.groups_per_step
-    return max(0, needed - snap.ready_groups - snap.inflight_groups)
+def init_schedule(plan: SchedulePlan, inst_version_R, *, v_train: int,
+                  steps_done: int) -> ScheduleState:
+    return ScheduleState(cycle=init_cycle_state(plan.cycle, inst_version_R, v_train=v_train),
+                         consumed=steps_done, next_eval_version=v_train + plan.eval_every)
 
 
-def _eval_due(plan: SchedulePlan, version: int) -> bool:
-    return version >= plan.next_eval_version
+def decide(snap: ClusterSnapshot, state: ScheduleState,
+           plan: SchedulePlan) -> tuple[ScheduleState, tuple]:
+    """Commands to act on now, in order, and the next state."""
+    if state.consumed >= plan.total_steps:
+        return state, ()  # every step is issued: let the last one finish
+    evals, next_eval = _evaluation(snap, state.next_eval_version, plan.eval_every)
+    cycle_state, cmds = decide_cycle(snap, state.cycle, plan.cycle)
+    consumed = state.consumed + sum(isinstance(c, Consume) for c in cmds)
+    return dataclasses.replace(state, cycle=cycle_state, consumed=consumed,
+                               next_eval_version=next_eval), evals + cmds
 
 
-def _decide_sync(snap: Snapshot, plan: SchedulePlan) -> tuple[Command, ...]:
-    if snap.trainer_busy or any(r.busy for r in snap.rollouts):
-        return ()
-    if snap.ready_groups >= plan.groups_per_step and snap.steps_done < plan.total_steps:
-        return (Train(plan.groups_per_step),)
-    stale = tuple(Pull(r.rid) for r in snap.rollouts if r.version < snap.trainer_version)
-    if stale:
-        return stale
-    if _eval_due(plan, snap.trainer_version):
-        return (Evaluate(snap.rollouts[0].rid, snap.trainer_version),)
-    todo = min(_groups_still_needed(snap, plan), plan.groups_per_step - snap.ready_groups)
-    return _split(todo, [r.rid for r in snap.rollouts])
+def _evaluation(snap: ClusterSnapshot, next_eval: int, every: int) -> tuple[tuple, int]:
+    """Evaluate a due version on a rollout with nothing placed on it. It goes first in
+    the command list, and whatever is routed there or pulls there afterwards waits for
+    it, so an evaluation never shares its rollout with generation or a weight change."""
+    versions = np.asarray(snap.inst_version_R)
+    placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(versions))
+    due = np.flatnonzero((versions >= next_eval) & (placed == 0))
+    if not due.size:
+        return (), next_eval
+    rid = int(due[np.argmax(versions[due])])
+    return (Evaluate(rid, int(versions[rid])),), int(versions[rid]) + every
 
 
-def _decide_laminar(snap: Snapshot, plan: SchedulePlan) -> tuple[Command, ...]:
-    cmds: list[Command] = []
-    if (not snap.trainer_busy and snap.ready_groups >= plan.groups_per_step
-            and snap.steps_done < plan.total_steps):
-        cmds.append(Train(plan.groups_per_step))
-    todo = _groups_still_needed(snap, plan)
-    evaluating = False
-    for r in snap.rollouts:
-        if r.busy:
-            continue
-        if r.version < snap.trainer_version:
-            cmds.append(Pull(r.rid))
-        elif not evaluating and _eval_due(plan, r.version):
-            cmds.append(Evaluate(r.rid, r.version))
-            evaluating = True
-        elif todo > 0 and snap.ready_groups < plan.max_ready_groups:
-            n = min(todo, plan.groups_per_rollout_batch)
-            cmds.append(Generate(r.rid, n))
-            todo -= n
-    return tuple(cmds)
-
-
-def _split(total: int, rids: Sequence[int]) -> tuple[Command, ...]:
-    if total <= 0:
-        return ()
-    base, extra = divmod(total, len(rids))
-    return tuple(Generate(rid, base + (i < extra)) for i, rid in enumerate(rids) if base + (i < extra))
-
-
-def select_batch(ready: Sequence[Group], *, trainer_version: int, max_staleness: int,
-                 num_groups: int) -> tuple[tuple[Group, ...], tuple[Group, ...], tuple[Group, ...]]:
-    """FIFO batch of groups within the staleness bound: (batch, too_stale, remaining).
-
-    A group older than `trainer_version - max_staleness` is dropped rather than
-    trained on, so every consumed trajectory satisfies V_traj + η ≥ V_trainer.
-    """
-    fresh = [g for g in ready if g.version + max_staleness >= trainer_version]
-    stale = tuple(g for g in ready if g.version + max_staleness < trainer_version)
-    return tuple(fresh[:num_groups]), stale, tuple(fresh[num_groups:])
+def finished(state: ScheduleState, plan: SchedulePlan, *, trainer_idle: bool) -> bool:
+    """Every step has been issued and the last one has returned."""
+    return state.consumed >= plan.total_steps and trainer_idle

@@ -1,14 +1,24 @@
-"""Client of the relay role (`fnrl.relay.role`): publish a version, ask for the latest."""
+"""Clients of the relay role (`fnrl.relay.role`): publish a version, ask for the latest.
+
+`RelayClient` talks to one relay; `MasterPublisher` is the trainer's: it publishes to the
+chain's master and follows the tier controller when a dead master is replaced.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import logging
+import mmap
+import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import zmq
 
+from fnrl.relay import store
 from fnrl.relay.store import VersionManifest
+
+log = logging.getLogger("fnrl.relay")
 
 
 class RelayError(RuntimeError):
@@ -32,15 +42,52 @@ class RelayClient:
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._inbox: dict[str, mmap.mmap] = {}  # slots the relay lent us, mapped once
+        self.last_published: tuple[int, dict[str, np.ndarray]] | None = None
+        """The last version handed off and read-only views of it in its inbox slot."""
 
     def publish(
         self,
         version: int,
         tensors: Mapping[str, np.ndarray],
         *,
+        wait: str = "visible",
         timeout_s: float | None = None,
     ) -> None:
-        """Send one complete version; returns once the relay serves it as latest."""
+        """Hand one complete version to a relay on this host through shared memory.
+
+        The relay lends an inbox slot (mapped here once, then reused), this process copies
+        the tensors into it, and a `commit` message hands it over: the caller's stall is one
+        memory copy plus two messages. `wait="held"` returns as soon as the relay holds the
+        version; `"visible"` once the relay serves it as latest.
+        """
+        if wait not in ("held", "visible"):
+            raise ValueError(f"wait={wait!r}: use 'held' or 'visible'")
+        arrays = {name: np.asarray(a) for name, a in tensors.items()}
+        header = {"op": "reserve", "version": int(version), "tensors": [
+            {"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in arrays.items()]}
+        layout = VersionManifest.from_json(json.dumps(self._request(header, [], timeout_s)["manifest"]))
+        mm = self._inbox.get(layout.segment)
+        if mm is None:
+            mm = self._inbox[layout.segment] = store.open_segment_writable(layout.segment)
+        views = store.tensor_views(mm, layout)
+        for name, a in arrays.items():
+            if a.size:  # the view of an empty tensor is a read-only placeholder
+                np.copyto(views[name], a, casting="no")
+        self.last_published = None
+        self._request({"op": "commit", "version": int(version), "segment": layout.segment,
+                       "wait": wait}, [], timeout_s)
+        self.last_published = (int(version), views)
+
+    def publish_frames(
+        self,
+        version: int,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Send one complete version as ZeroMQ frames (a publisher on another host);
+        returns once the relay serves it as latest."""
         arrays = {name: _c_contiguous(a) for name, a in tensors.items()}
         header = {
             "op": "publish",
@@ -60,9 +107,24 @@ class RelayClient:
         return None if manifest is None else VersionManifest.from_json(json.dumps(manifest))
 
     def ping(self, *, timeout_s: float | None = None) -> dict:
-        """`{"name", "pid", "version"}` of the relay."""
+        """`{"name", "pid", "version", "ucx_address", "master", "master_address", "epoch",
+        "downstream"}` of the relay."""
         reply = self._request({"op": "ping"}, [], timeout_s)
-        return {k: reply[k] for k in ("name", "pid", "version")}
+        reply.pop("ok")
+        return reply
+
+    def wait_version(self, version: int, *, timeout_s: float = 10.0) -> int:
+        """Block until the relay serves `version` or newer; returns the version it serves."""
+        return self._request({"op": "wait_version", "version": int(version),
+                              "timeout_s": timeout_s}, [], timeout_s + self.timeout_s)["version"]
+
+    def set_chain(self, *, epoch: int, master: str, master_address: str,
+                  downstream: dict | None, timeout_s: float | None = None) -> None:
+        """Tell the relay its chain: who is master, and its downstream `{"name",
+        "ucx_address"}` (None at the tail). Used by `fnrl.relay.tier.RelayTier`."""
+        self._request({"op": "set_chain", "epoch": epoch, "master": master,
+                       "master_address": master_address, "downstream": downstream}, [],
+                      timeout_s)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -113,3 +175,68 @@ def _c_contiguous(a: np.ndarray) -> np.ndarray:
     """
     a = np.asarray(a)
     return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+class MasterPublisher:
+    """The trainer's publisher: hands versions to the chain's master relay.
+
+    When the master does not answer, it asks the other relays which master the tier
+    controller has elected since, re-hands the last version over if the new master lacks
+    it (a version the old master held but had not finished broadcasting), and retries.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, timeout_s: float = 60.0,
+                 failover_timeout_s: float = 30.0):
+        if not addresses:
+            raise ValueError("addresses=[]: need at least one relay")
+        self.addresses = list(addresses)
+        self.timeout_s, self.failover_timeout_s = timeout_s, failover_timeout_s
+        self.master = RelayClient(self.addresses[0], timeout_s=timeout_s)
+
+    def latest(self) -> VersionManifest | None:
+        return self._with_failover(lambda c: c.latest())
+
+    def publish(self, version: int, tensors: Mapping[str, np.ndarray], *,
+                wait: str = "held") -> None:
+        self._with_failover(lambda c: c.publish(version, tensors, wait=wait))
+
+    def close(self) -> None:
+        self.master.close()
+
+    def _with_failover(self, call):
+        try:
+            return call(self.master)
+        except RelayTimeout as err:
+            log.warning("master relay %s did not answer (%s); looking for the new master",
+                        self.master.address, err)
+        self._follow_new_master()
+        return call(self.master)
+
+    def _follow_new_master(self) -> None:
+        dead = self.master.address
+        deadline = time.monotonic() + self.failover_timeout_s
+        while time.monotonic() < deadline:
+            for address in self.addresses:
+                if address == dead:
+                    continue
+                try:
+                    with RelayClient(address, timeout_s=1.0) as relay:
+                        elected = relay.ping()["master_address"]
+                except RelayError:
+                    continue
+                if elected != dead:
+                    self._switch(elected)
+                    return
+            time.sleep(0.2)
+        raise RelayTimeout(f"no new master relay elected within {self.failover_timeout_s:g} s "
+                           f"after {dead} stopped answering")
+
+    def _switch(self, address: str) -> None:
+        last = self.master.last_published
+        self.master.close()
+        self.master = RelayClient(address, timeout_s=self.timeout_s)
+        log.warning("publishing to the new master relay %s", address)
+        latest = self.master.latest()
+        if last is not None and (latest is None or latest.version < last[0]):
+            # The old inbox slot stays mapped here after its relay died: hand it over again.
+            self.master.publish(last[0], last[1], wait="held")

@@ -10,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import dataclasses
+
 from fnrl.relay import store
 from fnrl.relay.client import RelayClient, RelayError
+from fnrl.relay.config import RelayConfig
 from fnrl.relay.role import segment_prefix
 
 
@@ -22,14 +25,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def launch_relay(address: str, name: str, log_path: str | os.PathLike) -> subprocess.Popen:
+def relay_argv(address: str, name: str, cfg: RelayConfig | None = None) -> list[str]:
+    """The command line of one relay role process."""
+    argv = [sys.executable, "-m", "fnrl.relay.role", "--address", address, "--name", name]
+    for field in dataclasses.fields(RelayConfig):
+        value = getattr(cfg or RelayConfig(), field.name)
+        flag = "--cfg." + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else flag.replace("--cfg.", "--cfg.no-"))
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def launch_relay(address: str, name: str, log_path: str | os.PathLike,
+                 cfg: RelayConfig | None = None) -> subprocess.Popen:
     """Start `python -m fnrl.relay.role`; stdout and stderr go to `log_path`."""
     fnrl_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (fnrl_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "fnrl.relay.role", "--address", address, "--name", name],
+            relay_argv(address, name, cfg),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -2,37 +2,68 @@
 
     python -m fnrl.relay.role --address tcp://127.0.0.1:5555 --name host0
 
-Requests arrive on a ZeroMQ ROUTER socket (clients use REQ). Each request is a JSON
-header frame, for `publish` followed by one raw-bytes frame per tensor. Every reply is
-one JSON frame, `{"ok": true, ...}` or `{"ok": false, "error": "..."}`:
+Control (ZeroMQ ROUTER; clients use REQ): a JSON header frame, for `publish` followed by
+one raw-bytes frame per tensor. Every reply is one JSON frame, `{"ok": true, ...}` or
+`{"ok": false, "error": "..."}`:
 
-    {"op": "ping"}                         -> {"ok", "name", "pid", "version"}
-    {"op": "latest"}                       -> {"ok", "manifest": manifest-or-null}
-    {"op": "publish", "version": v,
-     "tensors": [{"name", "shape", "dtype"}, ...]} + frames -> {"ok", "manifest"}
+    {"op": "ping"}                      -> {"ok", "name", "pid", "version", "ucx_address",
+                                            "master", "master_address", "epoch", "downstream"}
+    {"op": "latest"}                    -> {"ok", "manifest": manifest-or-null}
+    {"op": "publish", "version": v, "tensors": [{"name", "shape", "dtype"}, ...]} + frames
+                                        -> {"ok", "manifest"} once v is the latest here
+    {"op": "reserve", "version": v, "tensors": [...]}
+                                        -> {"ok", "manifest"}: an inbox slot to write v into
+    {"op": "commit", "version": v, "segment": slot, "wait": "held" | "visible"}
+                                        -> {"ok", "version"}
+    {"op": "set_chain", "epoch", "master", "master_address", "downstream": {"name",
+     "ucx_address"} | null}             -> {"ok"}
+    {"op": "wait_version", "version": v, "timeout_s": t} -> {"ok", "version"}
 
-A publish is answered only after its segment is fully written and is the latest.
+`reserve` + `commit` is the trainer's hand-off: it writes a version straight into a
+shared-memory slot it keeps mapped, so its stall is one memory copy plus two messages;
+"held" answers at once, the relay then copies the slot into the version's own segment.
+
+Data (UCX, between relays): each relay forwards versions to its downstream neighbour in
+chunks, chunk i as soon as it holds and has verified it, while chunk i+1 still arrives.
+A transfer is one session with a random 40-bit id; every message is tagged
+`session << 24 | kind` (the preamble, on tag 1, is the only fixed tag), so messages of
+an abandoned session can never land in a later one:
+
+    upstream -> downstream   tag 1            [session, header length]  (uint64 x 2)
+                             HEADER           JSON {"layout", "reply_to", "sender"}
+                             SUM + 2i         xxh3-64 of chunk i        (uint64)
+                             DATA + 2i        chunk i, received straight into the segment
+    downstream -> upstream   NEED             NEED or HAVE (it already holds v or newer)
+                             DONE             DONE_OK or DONE_BAD, once v is verified
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+import mmap
 import os
+import random
 import re
 import signal
 from collections.abc import Sequence
 
+import numpy as np
 import tyro
 import zmq
+import zmq.asyncio
 
 from fnrl.relay import store
+from fnrl.relay.config import RelayConfig
 
 log = logging.getLogger("fnrl.relay")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
-_KEEP = 2  # newest complete version plus the previous one, for readers mid-open
+PREAMBLE_TAG = 1
+HEADER, NEED, DONE, SUM = 1, 2, 3, 16  # DATA of chunk i is SUM + 2i + 1
+NEED_IT, HAVE_IT, DONE_OK, DONE_BAD = 1, 2, 3, 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +74,7 @@ class RelayArgs:
     """ZeroMQ address to bind, e.g. tcp://127.0.0.1:5555 or ipc:///tmp/relay0."""
     name: str
     """Relay name; part of its segment names, so relays on one host must differ."""
+    cfg: RelayConfig = RelayConfig()
 
     def __post_init__(self):
         if not _NAME_RE.match(self.name):
@@ -81,126 +113,552 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class Relay:
-    """The relay's state: its complete versions, newest last. All I/O is in `serve`."""
+def _tag(session: int, kind: int) -> int:
+    return (session << 24) | kind
 
-    def __init__(self, name: str):
-        self.name = name
+
+class Aborted(RuntimeError):
+    """A version being filled was abandoned (its upstream died or a newer one replaced it)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Held:
+    """A version this relay holds or is filling. `buf` maps its segment; chunks below
+    `ready` are written and verified, `sums` holds their checksums."""
+
+    manifest: store.VersionManifest
+    mm: mmap.mmap
+    buf: np.ndarray
+    sums: list[int] = dataclasses.field(default_factory=list)
+    ready: int = 0
+    state: str = "filling"  # then "complete" or "aborted"
+    handed_off: bool = False  # published to this relay (not received from upstream)
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    def chunk(self, i: int) -> np.ndarray:
+        lo, hi = store.chunk_ranges(self.manifest.total_bytes, self.manifest.chunk_bytes)[i]
+        return self.buf[lo:hi]
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """An inbox segment lent to the trainer; busy while its content is copied out."""
+
+    segment: str
+    size: int
+    buf: np.ndarray
+    reserved: store.VersionManifest | None = None
+    busy: bool = False
+
+
+class Relay:
+    """One relay's state and protocol; `serve` runs it on an asyncio loop."""
+
+    def __init__(self, name: str, address: str, cfg: RelayConfig):
+        import ucxx  # imported here: UCX starts its progress thread on first use
+
+        # Python futures completed by ucxx's notifier thread. The default makes every
+        # pending receive spin on the event loop (wait_yield): ~35% of a core per idle relay.
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+        self.ucxx = ucxx
+        self.name, self.address, self.cfg = name, address, cfg
         self.pid = os.getpid()
-        self.versions: list[store.VersionManifest] = []
+        self.complete: list[Held] = []
+        self.filling: Held | None = None
+        self.slots: list[Slot] = []
+        self._slot_gen = 0
+        self.chain = {"epoch": -1, "master": name, "master_address": address,
+                      "downstream": None}
+        self.changed = asyncio.Condition()  # notified on any progress or chain change
+        self.ucx_address = bytes(ucxx.get_worker_address()).hex()
+        self._endpoints: dict[str, object] = {}
+        self._sent: tuple[str, int] | None = None  # (downstream address, version) it holds
+        self.spare: tuple[str, mmap.mmap] | None = None  # a populated segment for the next version
+        self._spare_gen = 0
+        self._spare_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- versions -----------------------------------------------------------------
 
     @property
     def latest(self) -> store.VersionManifest | None:
-        return self.versions[-1] if self.versions else None
+        return self.complete[-1].manifest if self.complete else None
 
-    def handle(self, header: dict, payload: Sequence[zmq.Frame]) -> dict:
+    def newest_version(self) -> int:
+        """Newest version held or being filled; -1 if none."""
+        versions = [h.version for h in self.complete]
+        if self.filling is not None:
+            versions.append(self.filling.version)
+        return max(versions, default=-1)
+
+    def _begin(self, layout: store.VersionManifest) -> Held:
+        """Start filling a version in a fresh segment, abandoning any other being filled."""
+        if self.filling is not None:
+            self._abort(self.filling, f"superseded by version {layout.version}")
+        segment = segment_name(self.name, self.pid, layout.version)
+        store.unlink_segment(segment)  # an abandoned earlier attempt at this version
+        manifest = dataclasses.replace(layout, segment=segment, chunk_bytes=self.cfg.chunk_bytes,
+                                       checksums=())
+        spare, self.spare = self.spare, None
+        if spare is not None and len(spare[1]) >= max(manifest.total_bytes, store.ALIGNMENT):
+            store.rename_segment(spare[0], segment)
+            mm = spare[1]
+        else:  # no spare of the right size yet: fault pages in while filling (slower)
+            if spare is not None:
+                store.unlink_segment(spare[0])
+            mm = store.create_segment(segment, manifest.total_bytes)
+        held = Held(manifest=manifest, mm=mm, buf=np.frombuffer(mm, np.uint8))
+        self.filling = held
+        return held
+
+    def _abort(self, held: Held, why: str) -> None:
+        log.warning("version %d abandoned: %s", held.version, why)
+        held.state = "aborted"
+        if self.filling is held:
+            self.filling = None
+        # Unlink only: a UCX receive may still be posted into the mapping, so it is left
+        # to the garbage collector rather than closed.
+        store.unlink_segment(held.manifest.segment)
+
+    def _finish(self, held: Held) -> None:
+        """Make a filled, verified version visible; drop versions beyond `keep_versions`."""
+        held.manifest = dataclasses.replace(held.manifest, checksums=tuple(held.sums))
+        held.state = "complete"
+        if self.filling is held:
+            self.filling = None
+        if self.latest is not None and held.version <= self.latest.version:
+            store.unlink_segment(held.manifest.segment)
+            return
+        self.complete.append(held)
+        for old in self.complete[: -self.cfg.keep_versions]:
+            store.unlink_segment(old.manifest.segment)
+        self.complete = self.complete[-self.cfg.keep_versions :]
+        log.info("version %d visible (%d bytes, %d chunks)", held.version,
+                 held.manifest.total_bytes, len(held.sums))
+        self._prepare_spare(held.manifest.total_bytes)
+
+    def _prepare_spare(self, size: int) -> None:
+        """Populate a segment for the next version in the background, now that none is
+        being filled (sizes rarely change between versions)."""
+        if self.spare is not None or (self._spare_task is not None and not self._spare_task.done()):
+            return
+        self._spare_gen += 1
+        name = f"{segment_prefix(self.name)}{self.pid}-spare{self._spare_gen}"
+
+        async def prepare() -> None:
+            mm = await asyncio.to_thread(store.create_segment, name, size, populate=True)
+            if self.spare is None:
+                self.spare = (name, mm)
+            else:
+                store.unlink_segment(name)
+            await self._notify()
+
+        self._spare_task = asyncio.create_task(prepare())
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _wait_until(self, predicate, timeout_s: float) -> bool:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(predicate), timeout_s)
+                return True
+            except TimeoutError:
+                return False
+
+    def _check_newer(self, version: int) -> None:
+        """A publish must be newer than every complete version. It replaces a version
+        still arriving from upstream: a publisher only comes to this relay once it is the
+        master, and what an upstream was sending it then is a dead master's."""
+        latest = self.latest.version if self.latest else -1
+        if version <= latest:
+            raise ValueError(f"version {version} is not newer than latest {latest}")
+
+    # --- control requests ---------------------------------------------------------
+
+    async def handle(self, header: dict, payload: Sequence[zmq.Frame]) -> dict:
         op = header.get("op")
         if op == "ping":
             latest = self.latest
-            version = latest.version if latest else None
-            return {"ok": True, "name": self.name, "pid": self.pid, "version": version}
+            return {"ok": True, "name": self.name, "pid": self.pid,
+                    "version": latest.version if latest else None,
+                    "ucx_address": self.ucx_address, "master": self.chain["master"],
+                    "master_address": self.chain["master_address"],
+                    "epoch": self.chain["epoch"], "downstream": self.chain["downstream"],
+                    # Nothing to prepare before the first version (its size is unknown).
+                    "spare_ready": self.spare is not None or self.latest is None,
+                    "filling": None if self.filling is None else self.filling.version}
         if op == "latest":
+            held = self.filling
+            if held is not None and held.handed_off:
+                # Read-your-writes at the master: a version handed off here is the latest
+                # from then on; a reader that asks while it is being copied in waits (about
+                # one memory copy) instead of getting the one before.
+                await self._wait_until(lambda: held.state != "filling", self.cfg.chunk_timeout_s)
             latest = self.latest
             return {"ok": True, "manifest": json.loads(latest.to_json()) if latest else None}
         if op == "publish":
-            return self.publish(header, payload)
+            return await self.publish_frames(header, payload)
+        if op == "reserve":
+            return await self.reserve(header)
+        if op == "commit":
+            return await self.commit(header)
+        if op == "set_chain":
+            return await self.set_chain(header)
+        if op == "wait_version":
+            version = int(header["version"])
+            ok = await self._wait_until(
+                lambda: self.latest is not None and self.latest.version >= version,
+                float(header.get("timeout_s", 10.0)))
+            return {"ok": ok, "version": self.latest.version if self.latest else None,
+                    **({} if ok else {"error": f"version {version} not visible in time"})}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def publish(self, header: dict, payload: Sequence[zmq.Frame]) -> dict:
-        version = int(header["version"])
-        latest = self.latest
-        if latest is not None and version <= latest.version:
-            return {
-                "ok": False,
-                "error": f"version {version} is not newer than latest {latest.version}",
-            }
-        manifest = store.plan_layout(
-            version=version,
-            segment=segment_name(self.name, self.pid, version),
-            tensors=[(t["name"], tuple(t["shape"]), t["dtype"]) for t in header["tensors"]],
-        )
-        if len(payload) != len(manifest.tensors):
-            return {
-                "ok": False,
-                "error": f"version {version}: {len(manifest.tensors)} tensor specs "
-                f"but {len(payload)} data frames",
-            }
-        for spec, frame in zip(manifest.tensors, payload):
-            if len(frame) != spec.nbytes:
-                return {
-                    "ok": False,
-                    "error": f"version {version}: tensor {spec.name} has {len(frame)} "
-                    f"bytes, expected {spec.nbytes} for {spec.dtype}{list(spec.shape)}",
-                }
-        self._write(manifest, payload)
-        # Visible only now, after every byte is in place.
-        self.versions.append(manifest)
-        for old in self.versions[:-_KEEP]:
-            store.unlink_segment(old.segment)
-        self.versions = self.versions[-_KEEP:]
-        return {"ok": True, "manifest": json.loads(manifest.to_json())}
+    def _layout(self, header: dict, segment: str) -> store.VersionManifest:
+        return store.plan_layout(
+            version=int(header["version"]), segment=segment,
+            tensors=[(t["name"], tuple(t["shape"]), t["dtype"]) for t in header["tensors"]])
 
-    def _write(self, manifest: store.VersionManifest, payload: Sequence[zmq.Frame]) -> None:
-        mm = store.create_segment(manifest.segment, manifest.total_bytes)
+    async def publish_frames(self, header: dict, payload: Sequence[zmq.Frame]) -> dict:
+        """A version sent as ZeroMQ frames (a publisher on another host)."""
+        layout = self._layout(header, "")
+        self._check_newer(layout.version)
+        if len(payload) != len(layout.tensors):
+            return {"ok": False, "error": f"version {layout.version}: {len(layout.tensors)} "
+                    f"tensor specs but {len(payload)} data frames"}
+        for spec, frame in zip(layout.tensors, payload):
+            if len(frame) != spec.nbytes:
+                return {"ok": False, "error": f"version {layout.version}: tensor {spec.name} "
+                        f"has {len(frame)} bytes, expected {spec.nbytes} for "
+                        f"{spec.dtype}{list(spec.shape)}"}
+        held = self._begin(layout)
+        for spec, frame in zip(layout.tensors, payload):
+            held.buf[spec.offset : spec.offset + spec.nbytes] = np.frombuffer(frame.buffer, np.uint8)
+        await self._fill_from(held, None)
+        return {"ok": True, "manifest": json.loads(held.manifest.to_json())}
+
+    async def reserve(self, header: dict) -> dict:
+        """Lend the publisher a free inbox slot laid out for its tensors."""
+        version = int(header["version"])
+        self._check_newer(version)
+        size = self._layout(header, "").total_bytes
+        free = lambda: [s for s in self.slots if not s.busy]  # noqa: E731
+        if not free() and len(self.slots) >= self.cfg.inbox_slots:
+            if not await self._wait_until(lambda: bool(free()), self.cfg.chunk_timeout_s):
+                return {"ok": False, "error": "no inbox slot freed in time"}
+        fitting = [s for s in free() if s.size >= size]
+        if fitting:
+            slot = fitting[0]
+        else:
+            if len(self.slots) >= self.cfg.inbox_slots:  # replace a free slot that is too small
+                small = free()[0]
+                self.slots.remove(small)
+                store.unlink_segment(small.segment)
+            self._slot_gen += 1
+            segment = f"{segment_prefix(self.name)}{self.pid}-inbox{self._slot_gen}"
+            mm = await asyncio.to_thread(store.create_segment, segment, size, populate=True)
+            slot = Slot(segment=segment, size=size, buf=np.frombuffer(mm, np.uint8))
+            self.slots.append(slot)
+        slot.reserved = self._layout(header, slot.segment)
+        return {"ok": True, "manifest": json.loads(slot.reserved.to_json())}
+
+    async def commit(self, header: dict) -> dict:
+        """The publisher has written its slot: this relay now holds the version."""
+        version, segment = int(header["version"]), header["segment"]
+        slot = next((s for s in self.slots if s.segment == segment), None)
+        if slot is None or slot.reserved is None or slot.reserved.version != version:
+            return {"ok": False, "error": f"no reservation of {segment} for version {version}"}
+        self._check_newer(version)
+        held = self._begin(slot.reserved)
+        held.handed_off = True
+        slot.busy, slot.reserved = True, None
+        task = asyncio.create_task(self._fill_from(held, slot))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if header.get("wait", "visible") == "visible":
+            await task
+            if held.state != "complete":
+                return {"ok": False, "error": f"version {version} was abandoned"}
+        return {"ok": True, "version": version}
+
+    async def _fill_from(self, held: Held, slot: Slot | None) -> None:
+        """Checksum `held` chunk by chunk (copying it out of `slot` first, if given); the
+        forwarder streams each chunk downstream as soon as it is ready."""
         try:
-            for spec, frame in zip(manifest.tensors, payload):
-                mm[spec.offset : spec.offset + spec.nbytes] = frame.buffer
-        except BaseException:
-            store.unlink_segment(manifest.segment)
-            raise
+            ranges = store.chunk_ranges(held.manifest.total_bytes, held.manifest.chunk_bytes)
+            for lo, hi in ranges:
+                if held.state != "filling":
+                    return
+                src = None if slot is None else slot.buf[lo:hi]
+                # A thread, so the loop keeps answering: numpy and xxhash drop the GIL.
+                held.sums.append(await asyncio.to_thread(_copy_and_sum, src, held.buf[lo:hi]))
+                held.ready += 1
+                await self._notify()
+            self._finish(held)
+            await self._notify()
         finally:
-            mm.close()
+            if slot is not None:
+                slot.busy = False
+                await self._notify()
+
+    async def set_chain(self, header: dict) -> dict:
+        if int(header["epoch"]) < self.chain["epoch"]:
+            return {"ok": True, "stale": True}
+        self.chain = {k: header[k] for k in ("epoch", "master", "master_address", "downstream")}
+        log.info("chain epoch %d: master %s, downstream %s", self.chain["epoch"],
+                 self.chain["master"], (self.chain["downstream"] or {}).get("name"))
+        await self._notify()
+        return {"ok": True}
+
+    # --- data plane: receiving ----------------------------------------------------
+
+    async def _endpoint(self, address_hex: str):
+        ep = self._endpoints.get(address_hex)
+        if ep is None:
+            address = self.ucxx.get_ucx_address_from_buffer(bytes.fromhex(address_hex))
+            ep = await asyncio.wait_for(self.ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=self.cfg.ucx_error_handling),
+                self.cfg.chunk_timeout_s)
+            self._endpoints[address_hex] = ep
+        return ep
+
+    def _drop_endpoint(self, address_hex: str) -> None:
+        ep = self._endpoints.pop(address_hex, None)
+        if ep is not None:
+            try:
+                ep.abort()
+            except Exception:  # noqa: BLE001 - the peer is gone either way
+                pass
+
+    async def _send(self, ep, buf: np.ndarray, tag: int) -> None:
+        await asyncio.wait_for(ep.send(buf, tag=tag, force_tag=True), self.cfg.chunk_timeout_s)
+
+    async def _recv(self, buf: np.ndarray, tag: int, timeout_s: float | None = None) -> None:
+        await asyncio.wait_for(self.ucxx.recv(buf, tag=tag), timeout_s or self.cfg.chunk_timeout_s)
+
+    async def accept_sessions(self) -> None:
+        """Take transfers from upstream relays, one preamble at a time."""
+        while True:
+            preamble = np.empty(2, np.uint64)
+            await self.ucxx.recv(preamble, tag=PREAMBLE_TAG)
+            task = asyncio.create_task(self._receive(int(preamble[0]), int(preamble[1])))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _receive(self, session: int, header_len: int) -> None:
+        held = None
+        try:
+            raw = np.empty(header_len, np.uint8)
+            await self._recv(raw, _tag(session, HEADER))
+            header = json.loads(raw.tobytes())
+            layout = store.VersionManifest.from_json(json.dumps(header["layout"]))
+            reply_to = await self._endpoint(header["reply_to"])
+            if layout.version <= self.newest_version() and not (
+                    self.filling is not None and self.filling.version == layout.version):
+                await self._send(reply_to, np.array([HAVE_IT], np.uint64), _tag(session, NEED))
+                return
+            held = self._begin(layout)
+            if held.manifest.chunk_bytes != layout.chunk_bytes:
+                held.manifest = dataclasses.replace(held.manifest, chunk_bytes=layout.chunk_bytes)
+            n = held.manifest.num_chunks
+            # Post every receive at once: chunk i+1 lands while chunk i is verified.
+            sums = np.empty(n, np.uint64)
+            posted = [(asyncio.ensure_future(self.ucxx.recv(sums[i : i + 1], tag=_tag(session, SUM + 2 * i))),
+                       asyncio.ensure_future(self.ucxx.recv(held.chunk(i), tag=_tag(session, SUM + 2 * i + 1))))
+                      for i in range(n)]
+            await self._send(reply_to, np.array([NEED_IT], np.uint64), _tag(session, NEED))
+            try:
+                for i, (sum_req, data_req) in enumerate(posted):
+                    await asyncio.wait_for(asyncio.gather(sum_req, data_req), self.cfg.chunk_timeout_s)
+                    if held.state != "filling":
+                        return
+                    got = await asyncio.to_thread(store.checksum, held.chunk(i))
+                    if got != int(sums[i]):
+                        self._abort(held, f"chunk {i} checksum mismatch from {header['sender']}")
+                        await self._send(reply_to, np.array([DONE_BAD], np.uint64), _tag(session, DONE))
+                        return
+                    held.sums.append(got)
+                    held.ready += 1
+                    await self._notify()
+            finally:
+                for reqs in posted:
+                    for r in reqs:
+                        r.cancel()
+            self._finish(held)
+            await self._notify()
+            await self._send(reply_to, np.array([DONE_OK], np.uint64), _tag(session, DONE))
+        except Exception as e:  # noqa: BLE001 - a failed transfer must not kill the relay
+            if held is not None and held.state == "filling":
+                self._abort(held, f"receive failed: {type(e).__name__}: {e}")
+                await self._notify()
+            else:
+                log.warning("session %x failed: %s: %s", session, type(e).__name__, e)
+
+    # --- data plane: forwarding ---------------------------------------------------
+
+    def _source(self) -> Held | None:
+        """What the downstream should get next: the newest version held or being filled,
+        if the downstream is not already known to hold it."""
+        down = self.chain["downstream"]
+        if down is None:
+            return None
+        candidates = [h for h in (self.filling, *self.complete[-1:]) if h is not None]
+        if not candidates:
+            return None
+        src = max(candidates, key=lambda h: h.version)
+        if self._sent is not None and self._sent[0] == down["ucx_address"] \
+                and self._sent[1] >= src.version:
+            return None
+        return src
+
+    async def forward(self) -> None:
+        """Forever: stream the newest version to the current downstream neighbour. A
+        stream to a neighbour that the controller has since spliced out is cancelled."""
+        while True:
+            await self._wait_until(lambda: self._source() is not None, 1.0)
+            src, down = self._source(), self.chain["downstream"]
+            if src is None:
+                continue
+            address = down["ucx_address"]
+            stream = asyncio.create_task(self._stream(src, address))
+            stream.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
+            moved = lambda: (self.chain["downstream"] or {}).get("ucx_address") != address  # noqa: E731
+            while not stream.done() and not moved():
+                await self._wait_until(lambda: stream.done() or moved(), 1.0)
+            if not stream.done():
+                stream.cancel()
+                self._drop_endpoint(address)
+                log.info("stopped forwarding version %d to %s: chain changed", src.version,
+                         down["name"])
+                continue
+            try:
+                stream.result()
+                self._sent = (address, src.version)
+            except Exception as e:  # noqa: BLE001 - retried, or superseded by a repair
+                log.warning("forwarding version %d to %s failed: %s: %s", src.version,
+                            down["name"], type(e).__name__, e)
+                self._drop_endpoint(address)
+                await asyncio.sleep(0.2)
+
+    async def _stream(self, src: Held, address: str) -> bool:
+        """Send one version in one session; True once the downstream holds it verified."""
+        ep = await self._endpoint(address)
+        session = random.getrandbits(39) | (1 << 39)
+        layout = dataclasses.replace(src.manifest, checksums=())
+        header = json.dumps({"layout": json.loads(layout.to_json()), "sender": self.name,
+                             "reply_to": self.ucx_address}).encode()
+        reply = np.zeros(1, np.uint64)
+        need = asyncio.ensure_future(self._recv(reply, _tag(session, NEED)))
+        try:
+            await self._send(ep, np.array([session, len(header)], np.uint64), PREAMBLE_TAG)
+            await self._send(ep, np.frombuffer(header, np.uint8), _tag(session, HEADER))
+            await need
+        finally:
+            need.cancel()
+        if int(reply[0]) == HAVE_IT:
+            return True
+        done = np.zeros(1, np.uint64)
+        done_req = asyncio.ensure_future(
+            self._recv(done, _tag(session, DONE), self.cfg.chunk_timeout_s * 2))
+        try:
+            for i in range(layout.num_chunks):
+                if not await self._wait_until(lambda: src.ready > i or src.state == "aborted",
+                                              self.cfg.chunk_timeout_s):
+                    raise TimeoutError(f"chunk {i} of version {src.version} not ready in time")
+                if src.ready <= i:
+                    raise Aborted(f"version {src.version} was abandoned here")
+                await self._send(ep, np.array([src.sums[i]], np.uint64), _tag(session, SUM + 2 * i))
+                await self._send(ep, src.chunk(i), _tag(session, SUM + 2 * i + 1))
+            await done_req
+        finally:
+            done_req.cancel()
+        if int(done[0]) != DONE_OK:
+            raise RuntimeError(f"downstream rejected version {src.version} (checksum)")
+        return True
 
     def close(self) -> None:
-        for manifest in self.versions:
-            store.unlink_segment(manifest.segment)
-        self.versions = []
+        for held in [*self.complete, *([self.filling] if self.filling else [])]:
+            store.unlink_segment(held.manifest.segment)
+        for slot in self.slots:
+            store.unlink_segment(slot.segment)
+        if self._spare_task is not None:
+            self._spare_task.cancel()
+        if self.spare is not None:
+            store.unlink_segment(self.spare[0])
+        self.complete, self.filling, self.slots, self.spare = [], None, [], None
 
 
-def serve(args: RelayArgs) -> None:
-    """Answer requests until SIGTERM or SIGINT, then unlink every segment."""
-    stopping = False
+def _copy_and_sum(src: np.ndarray | None, dst: np.ndarray) -> int:
+    if src is not None:
+        np.copyto(dst, src)
+    return store.checksum(dst)
 
-    def stop(signum, frame):
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+async def _serve(args: RelayArgs) -> None:
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
     for segment in sweep_dead_segments(args.name):
         log.warning("removed segment %s of a dead relay", segment)
 
-    relay = Relay(args.name)
-    ctx = zmq.Context()
+    relay = Relay(args.name, args.address, args.cfg)
+    ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    background = [asyncio.create_task(relay.accept_sessions()),
+                  asyncio.create_task(relay.forward())]
+
+    async def answer(envelope, request) -> None:
+        try:
+            reply = await relay.handle(json.loads(request[0].bytes), request[1:])
+        except Exception as e:  # a bad request must not kill the relay
+            log.exception("request failed")
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        await sock.send_multipart([*envelope, json.dumps(reply).encode()])
+
     try:
         sock.bind(args.address)
         log.info("relay %s (pid %d) listening on %s", args.name, relay.pid, args.address)
-        while not stopping:
+        while not stopping.is_set():
             # Short polls so a signal is noticed quickly.
-            if not sock.poll(100, zmq.POLLIN):
+            if not await sock.poll(100, zmq.POLLIN):
                 continue
-            frames = sock.recv_multipart(copy=False)
+            frames = await sock.recv_multipart(copy=False)
             # REQ envelope: routing id(s), an empty delimiter, then the request.
             empty = [i for i, f in enumerate(frames) if len(f) == 0]
             split = empty[0] + 1 if empty else 1
-            envelope, request = frames[:split], frames[split:]
-            try:
-                reply = relay.handle(json.loads(request[0].bytes), request[1:])
-            except Exception as e:  # a bad request must not kill the relay
-                log.exception("request failed")
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            sock.send_multipart([*envelope, json.dumps(reply).encode()])
+            task = asyncio.create_task(answer(frames[:split], frames[split:]))
+            relay._tasks.add(task)
+            task.add_done_callback(relay._tasks.discard)
     finally:
+        for task in [*background, *relay._tasks]:
+            task.cancel()
         relay.close()
         sock.close()
         ctx.term()
         log.info("relay %s stopped; segments unlinked", args.name)
 
 
+def serve(args: RelayArgs) -> None:
+    """Answer requests and forward versions until SIGTERM or SIGINT, then unlink every
+    segment."""
+    asyncio.run(_serve(args))
+    # A spare segment whose creation was still running in a thread at shutdown.
+    for path in store.SHM_DIR.glob(f"{segment_prefix(args.name)}{os.getpid()}-*"):
+        store.unlink_segment(path.name)
+    # UCX's progress thread can keep the interpreter from exiting; all state is gone.
+    logging.shutdown()
+    os._exit(0)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     serve(tyro.cli(RelayArgs))
 
 

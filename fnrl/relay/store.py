@@ -1,9 +1,11 @@
 """Versioned weight store in POSIX shared memory.
 
 Each weight version lives in its own file `/dev/shm/<segment>`; a `VersionManifest`
-says where every tensor sits in it. The writer (the relay role) fills a segment
-completely before it makes the manifest visible, and unlinks a segment only once two
-newer versions are complete. A reader that mmapped a segment before it was unlinked
+says where every tensor sits in it and carries one xxh3-64 checksum per chunk. The
+writer (the relay role) fills and verifies a segment completely before it makes the
+manifest visible, never writes it afterwards, and unlinks it only once newer versions
+are complete (multi-version concurrency instead of StaleFlow's read-write lock: a
+reader never waits for a writer and never blocks one). A reader that mmapped a segment before it was unlinked
 keeps a valid mapping (POSIX keeps the pages until the last mapping goes), so a reader
 never sees a torn version; one that races an unlink gets `FileNotFoundError` and asks
 for the new latest version.
@@ -22,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 SHM_DIR = Path("/dev/shm")
 ALIGNMENT = 64  # bytes; a cache line, and enough for any vectorised load
@@ -65,6 +68,10 @@ class VersionManifest:
     segment: str
     tensors: tuple[TensorSpec, ...]
     total_bytes: int
+    chunk_bytes: int = 0
+    """Size of the checksummed chunks (the last may be shorter); 0 before checksums."""
+    checksums: tuple[int, ...] = ()
+    """xxh3-64 of each chunk of the segment's first `total_bytes` bytes."""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -73,6 +80,8 @@ class VersionManifest:
                 "segment": self.segment,
                 "tensors": [t.to_dict() for t in self.tensors],
                 "total_bytes": self.total_bytes,
+                "chunk_bytes": self.chunk_bytes,
+                "checksums": list(self.checksums),
             }
         )
 
@@ -84,7 +93,45 @@ class VersionManifest:
             segment=str(d["segment"]),
             tensors=tuple(TensorSpec.from_dict(t) for t in d["tensors"]),
             total_bytes=int(d["total_bytes"]),
+            chunk_bytes=int(d.get("chunk_bytes", 0)),
+            checksums=tuple(int(c) for c in d.get("checksums", ())),
         )
+
+    @property
+    def num_chunks(self) -> int:
+        return len(chunk_ranges(self.total_bytes, self.chunk_bytes)) if self.chunk_bytes else 0
+
+
+def chunk_ranges(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` byte ranges of the chunks of a segment; one empty chunk if it is empty."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be positive")
+    bounds = list(range(0, total_bytes, chunk_bytes)) or [0]
+    return [(lo, min(lo + chunk_bytes, total_bytes)) for lo in bounds]
+
+
+def checksum(buf) -> int:
+    """xxh3-64 of a buffer: about 20 GB/s, faster than copying it (crc32 is 3x slower)."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def segment_checksums(buf: np.ndarray, total_bytes: int, chunk_bytes: int) -> tuple[int, ...]:
+    """Per-chunk checksums of the first `total_bytes` bytes of a uint8 buffer."""
+    return tuple(checksum(buf[lo:hi]) for lo, hi in chunk_ranges(total_bytes, chunk_bytes))
+
+
+def verify_version(manifest: VersionManifest) -> bool:
+    """Re-read a visible version from /dev/shm and check every chunk's checksum."""
+    fd = os.open(SHM_DIR / manifest.segment, os.O_RDONLY)
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    buf = np.frombuffer(mm, np.uint8)
+    sums = segment_checksums(buf, manifest.total_bytes, manifest.chunk_bytes)
+    del buf
+    mm.close()
+    return sums == manifest.checksums
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -121,15 +168,27 @@ def plan_layout(
     )
 
 
-def create_segment(segment: str, size: int) -> mmap.mmap:
-    """Create `/dev/shm/<segment>` of `size` bytes and map it writable."""
+def create_segment(segment: str, size: int, *, populate: bool = False) -> mmap.mmap:
+    """Create `/dev/shm/<segment>` of `size` bytes and map it writable.
+
+    `populate` allocates and maps every page now (MAP_POPULATE). First-touch page faults
+    on fresh tmpfs pages cost several times a memory copy, so relays populate segments
+    ahead of time, off the broadcast's critical path.
+    """
     fd = os.open(SHM_DIR / segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         # mmap refuses a zero-length file, so an empty version still gets one page.
-        os.ftruncate(fd, max(size, ALIGNMENT))
-        return mmap.mmap(fd, max(size, ALIGNMENT))
+        size = max(size, ALIGNMENT)
+        os.ftruncate(fd, size)
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(fd, size, flags=flags)
     finally:
         os.close(fd)
+
+
+def rename_segment(old: str, new: str) -> None:
+    """Atomically give a segment a new name (a prepared spare becomes a version's)."""
+    os.rename(SHM_DIR / old, SHM_DIR / new)
 
 
 def unlink_segment(segment: str) -> None:
@@ -155,10 +214,26 @@ def open_version(manifest: VersionManifest) -> dict[str, np.ndarray]:
                 f"segment {manifest.segment} holds {size} bytes, "
                 f"manifest of version {manifest.version} needs {manifest.total_bytes}"
             )
-        # ACCESS_READ makes the buffer read-only, so numpy views refuse writes.
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        # PROT_READ makes the buffer read-only, so numpy views refuse writes; POPULATE maps
+        # every page at once, which is 2-3x faster than faulting them in one by one.
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                       prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+    return {t.name: _view(mm, t) for t in manifest.tensors}
+
+
+def open_segment_writable(segment: str) -> mmap.mmap:
+    """Map an existing segment read-write (the trainer's side of a shared-memory hand-off)."""
+    fd = os.open(SHM_DIR / segment, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+
+
+def tensor_views(mm: mmap.mmap, manifest: VersionManifest) -> dict[str, np.ndarray]:
+    """Views of every tensor of `manifest` inside a mapping (writable if the mapping is)."""
     return {t.name: _view(mm, t) for t in manifest.tensors}
 
 

@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -38,6 +39,16 @@ class Completion:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """Tokens a streaming request produced since its previous chunk (often one), with
+    their log-probs; `finish_reason` is set on the last chunk only."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None
 
 
 class RolloutClient:
@@ -91,6 +102,85 @@ class RolloutClient:
         if len(choices) != n:
             raise ServerError(f"server {self.base_url}: asked n={n}, got {len(choices)}")
         return [self._completion(c) for c in choices]
+
+    async def generate_stream(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """One continuation of `prompt_ids`, streamed as it is sampled (server-sent events).
+
+        Closing the iterator (or cancelling the task that reads it) drops the
+        connection, and vLLM aborts the request: that is how an interrupt stops a
+        trajectory. Every chunk already yielded is the caller's to keep.
+        """
+        body = {
+            "model": await self._model_name(),
+            "prompt": [int(t) for t in prompt_ids],
+            "n": 1,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "stop_token_ids": [int(t) for t in stop_token_ids],
+            "ignore_eos": ignore_eos,
+            "stream": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            **_NEUTRAL_SAMPLING,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        url = self.base_url + "/v1/completions"
+        for attempt in range(2):
+            yielded = False
+            try:
+                async with self.session.post(
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                ) as response:
+                    if response.status != 200:
+                        payload = await response.text()
+                        response.close()
+                        raise ServerError(f"POST {url} -> {response.status}: {payload[:2000]}")
+                    async for raw in response.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        yielded = True
+                        yield self._stream_chunk(json.loads(data))
+                    return
+            except asyncio.TimeoutError:
+                raise ServerError(f"POST {url} timed out after {self.timeout_s:g} s") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # A pooled keep-alive socket the server closed as we sent: nothing was
+                # generated for us, so sending once more is safe.
+                if yielded or attempt:
+                    raise ServerError(f"POST {url} failed: {type(e).__name__}: {e}") from e
+            except aiohttp.ClientError as e:
+                raise ServerError(f"POST {url} failed: {type(e).__name__}: {e}") from e
+
+    async def kv_capacity_tokens(self) -> int:
+        """The server's KV cache size in tokens (from `vllm:cache_config_info`)."""
+        text = await self._get_text("/metrics")
+        for line in text.splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                if labels.get("kv_cache_size_tokens", "None") != "None":
+                    return int(float(labels["kv_cache_size_tokens"]))
+                blocks, size = labels.get("num_gpu_blocks"), labels.get("block_size")
+                if blocks not in (None, "None") and size not in (None, "None"):
+                    return int(blocks) * int(size)
+        raise ServerError(f"server {self.base_url}: /metrics has no KV cache size")
 
     async def pull(self, relay_address: str, *, relay_timeout_s: float = 30.0) -> int:
         """Load the relay's latest weights in place; returns the version now served.
@@ -154,6 +244,19 @@ class RolloutClient:
         if len(logprobs) != len(token_ids) or any(math.isnan(x) for x in logprobs):
             raise ServerError(f"server {self.base_url}: bad log-probs {logprobs[:8]}")
         return Completion(token_ids, logprobs, str(choice["finish_reason"]))
+
+    def _stream_chunk(self, chunk: dict) -> StreamChunk:
+        if "error" in chunk:
+            raise ServerError(f"server {self.base_url}: stream error {chunk['error']}")
+        (choice,) = chunk["choices"]
+        lp = choice.get("logprobs") or {}
+        token_ids = tuple(int(t.removeprefix("token_id:")) for t in lp.get("tokens") or ())
+        logprobs = tuple(float(x) for x in lp.get("token_logprobs") or ())
+        if choice.get("token_ids") is not None and tuple(choice["token_ids"]) != token_ids:
+            raise ServerError(f"server {self.base_url}: token ids and log-prob tokens differ")
+        if len(logprobs) != len(token_ids) or any(math.isnan(x) for x in logprobs):
+            raise ServerError(f"server {self.base_url}: bad log-probs {logprobs[:8]}")
+        return StreamChunk(token_ids, logprobs, choice.get("finish_reason"))
 
     async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
         return await self._request("POST", path, body, timeout_s, text=False)

@@ -74,6 +74,20 @@ def shardings_for(logical_tree: Any, shapes_tree: Any, mesh: jax.sharding.Mesh,
         logical_tree, shapes_tree, is_leaf=lambda x: x is None or isinstance(x, (tuple, P)))
 
 
+def partition_specs(logical_tree: Any, shapes_tree: Any, mesh: jax.sharding.Mesh,
+                    rules: Mapping[str, Any] = TRAINER_RULES) -> dict[str, str]:
+    """{"path/to/param": "PartitionSpec(...)"}: a flat, printable view for golden tests."""
+    shardings = shardings_for(logical_tree, shapes_tree, mesh, rules)
+    flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): str(sh.spec)
+            for path, sh in flat}
+
+
+def mesh_from_config(mesh_cfg, devices=None) -> jax.sharding.Mesh:
+    """The mesh a `fnrl.config.MeshConfig` describes."""
+    return make_mesh(mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor, devices=devices)
+
+
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] = TRAINER_RULES) -> NamedSharding:
     """Leading (batch) dimension over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, P(rules["batch"]))

@@ -24,8 +24,8 @@ from fnrl.config import RunConfig, from_dict
 from fnrl.control import wire
 from fnrl.models.hf_io import load_pretrained, params_to_hf
 from fnrl.models.qwen2 import logical_axes
-from fnrl.relay.client import RelayClient
-from fnrl.sharding.mesh import batch_sharding, make_mesh, shardings_for
+from fnrl.relay.client import MasterPublisher
+from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for
 from fnrl.trainer.checkpoint import Checkpointer
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 
@@ -36,9 +36,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path):
         self.cfg = cfg
         self.model_cfg, self.graphdef, params = load_pretrained(model_dir)
-        self.mesh = make_mesh()
+        self.mesh = mesh_from_config(cfg.trainer.mesh)
         param_sh = shardings_for(logical_axes(self.model_cfg), params, self.mesh)
         params = jax.device_put(params, param_sh)
+        # The KL reference is the initial model, frozen; without KL it is never loaded.
+        self.ref_params = None
+        if cfg.algo.needs_reference:
+            self.ref_params = jax.device_put(load_pretrained(model_dir)[2], param_sh)
         self.optimizer = make_optimizer(cfg.algo)
         # Initialising under jit lets XLA place the Adam moments like their parameters.
         state = jax.jit(lambda p: init_state(p, self.optimizer))(params)
@@ -49,8 +53,10 @@ class Trainer:
             self.resumed_from = int(state.step)
         self.state = state
         state_sh = jax.tree.map(lambda x: x.sharding, state)
-        self._step = compile_train_step(self.graphdef, self.optimizer, cfg.algo, state_sh,
-                                        batch_sharding(self.mesh))
+        self._step = compile_train_step(
+            self.graphdef, self.optimizer, cfg.algo, state_sh, batch_sharding(self.mesh),
+            micro_batches=cfg.trainer.micro_batches,
+            ref_sharding=param_sh if self.ref_params is not None else None)
 
     @property
     def version(self) -> int:
@@ -59,26 +65,33 @@ class Trainer:
     def hf_weights(self) -> dict[str, np.ndarray]:
         return params_to_hf(self.model_cfg, jax.device_get(self.state.params))
 
-    def train(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    def train(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, float], dict | None]:
+        """One step. Returns metrics and the new version's HF weights (None if skipped).
+
+        The Orbax save runs in the background while the weights are converted to the
+        rollout layout; it must finish before the caller publishes, so a restarted
+        trainer never serves rollouts a version older than one they have seen.
+        """
         t0 = time.perf_counter()
-        self.state, metrics = self._step(self.state, batch)
+        self.state, metrics = self._step(self.state, batch, self.ref_params)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         metrics["time/train_s"] = time.perf_counter() - t0
-        if metrics["update_skipped"] == 0.0:
-            t1 = time.perf_counter()
-            # A version is published only once its checkpoint is durable, so a restarted
-            # trainer never serves rollouts an older version than they have seen.
-            self.checkpoints.save(self.version, self.state)
-            self.checkpoints.wait()
-            metrics["time/checkpoint_s"] = time.perf_counter() - t1
-        return metrics
+        if metrics["update_skipped"] != 0.0:
+            return metrics, None
+        t1 = time.perf_counter()
+        self.checkpoints.save(self.version, self.state)
+        weights = self.hf_weights()
+        self.checkpoints.wait()
+        metrics["time/checkpoint_s"] = time.perf_counter() - t1
+        return metrics, weights
 
 
 def serve(args: argparse.Namespace) -> None:
     cfg = from_dict(RunConfig, json.loads(Path(args.config).read_text()))
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(args.address)
-    relay = RelayClient(args.relay, timeout_s=120.0)
+    # Relays in chain order, master first; the publisher follows a re-elected master.
+    relay = MasterPublisher(args.relay.split(","), timeout_s=120.0)
     trainer = None
     while True:
         header, arrays = wire.decode(sock.recv_multipart(copy=False))
@@ -88,13 +101,14 @@ def serve(args: argparse.Namespace) -> None:
                 trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
                 latest = relay.latest()
                 if latest is None or latest.version < trainer.version:
-                    relay.publish(trainer.version, trainer.hf_weights())
+                    # Visible before the reply: rollouts pull right after a resume.
+                    relay.publish(trainer.version, trainer.hf_weights(), wait="visible")
                 wire.send(sock, {"version": trainer.version, "resumed_from": trainer.resumed_from})
             elif cmd == "train":
-                metrics = trainer.train(arrays)
+                metrics, weights = trainer.train(arrays)
                 t0 = time.perf_counter()
-                if metrics["update_skipped"] == 0.0:
-                    relay.publish(trainer.version, trainer.hf_weights())
+                if weights is not None:
+                    relay.publish(trainer.version, weights)
                 metrics["time/publish_s"] = time.perf_counter() - t0
                 wire.send(sock, {"version": trainer.version, "metrics": metrics})
             elif cmd == "shutdown":
@@ -114,7 +128,8 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--address", required=True)
-    parser.add_argument("--relay", required=True)
+    parser.add_argument("--relay", required=True,
+                        help="relay addresses, comma-separated, the master's first")
     serve(parser.parse_args())
 
 

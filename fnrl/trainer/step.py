@@ -1,4 +1,4 @@
-"""TrainState and the pure, jitted GRPO train step.
+"""TrainState and the pure, jitted policy-gradient train step.
 
 The model is a Flax NNX module used only as a definition: `graphdef` is static and
 `params` is a plain nested dict of arrays, so optax, Orbax and `jax.jit` all see one
@@ -19,7 +19,8 @@ import optax
 from flax import nnx
 
 from fnrl.config import AlgoConfig
-from fnrl.losses.core import POLICY_LOSSES
+from fnrl.losses.correction import mismatch_metrics
+from fnrl.losses.objective import Objective, as_objective, build_objective
 
 Params = Any
 
@@ -42,45 +43,146 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
 
 
 def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0: the given params and fresh optimizer moments."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
 def token_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT: jnp.ndarray,
-                   target_BxT: jnp.ndarray) -> jnp.ndarray:
+                   target_BxT: jnp.ndarray, positions_BxT: jnp.ndarray | None = None,
+                   segment_ids_BxT: jnp.ndarray | None = None) -> jnp.ndarray:
     """log π(target_t | input_≤t) for every position, in float32."""
-    logits_BxTxV = nnx.merge(graphdef, params)(input_BxT).astype(jnp.float32)
+    return _logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT, segment_ids_BxT,
+                     with_entropy=False)[0]
+
+
+def _logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT=None, segment_ids_BxT=None,
+              *, with_entropy: bool):
+    """(log-probs of the targets, per-token entropy or None); float32 softmax."""
+    logits_BxTxV = nnx.merge(graphdef, params)(input_BxT, positions_BxT,
+                                                segment_ids_BxT).astype(jnp.float32)
     logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     picked_BxT = jnp.take_along_axis(logits_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
-    return picked_BxT - logz_BxT
+    entropy_BxT = None
+    if with_entropy:
+        # H = log Z - Σ p·logit, without materialising log p a second time.
+        probs_BxTxV = jnp.exp(logits_BxTxV - logz_BxT[..., None])
+        entropy_BxT = logz_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
+    return picked_BxT - logz_BxT, entropy_BxT
 
 
-def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], *, graphdef: nnx.GraphDef,
-               optimizer: optax.GradientTransformation, loss_fn: Callable) -> tuple[TrainState, dict]:
-    """One policy-gradient update on one batch. Pure: jit it once, with donation."""
+def _model_inputs(batch):
+    return (batch["input_BxT"], batch["target_BxT"], batch.get("positions_BxT"),
+            batch.get("segment_ids_BxT"))
 
-    def objective(params):
-        logp_BxT = token_logprobs(graphdef, params, batch["input_BxT"], batch["target_BxT"])
-        loss, metrics = loss_fn(logp_BxT, batch)
-        return loss, metrics
 
-    (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+def split_micro_batches(batch: Mapping[str, jnp.ndarray], micro_batches: int) -> dict:
+    """Every array B×... -> M×(B/M)×...; micro-batch m holds rows m, m+M, m+2M, ...
+
+    Interleaving (not contiguous blocks) keeps each micro-batch spread over all
+    data-parallel shards, so no micro-batch lives on a subset of devices.
+    `fnrl.trainer.batching` lays out rows with the same rule.
+    """
+    def split(x):
+        if x.shape[0] % micro_batches:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into "
+                             f"{micro_batches} micro-batches")
+        return x.reshape(x.shape[0] // micro_batches, micro_batches, *x.shape[1:]).swapaxes(0, 1)
+    return {k: split(v) for k, v in batch.items()}
+
+
+def _merge_micro_batches(x_MxBxT: jnp.ndarray) -> jnp.ndarray:
+    return x_MxBxT.swapaxes(0, 1).reshape(-1, *x_MxBxT.shape[2:])
+
+
+def _is_summed(key: str) -> bool:
+    # Loss values are partial sums of one global normalisation (aggregation weights);
+    # every other metric is a token mean within its micro-batch.
+    return key == "loss" or key.endswith("/loss")
+
+
+def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: Params = None, *,
+               graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+               loss_fn: Objective | Callable, micro_batches: int = 1,
+               micro_sharding: jax.sharding.NamedSharding | None = None
+               ) -> tuple[TrainState, dict]:
+    """One policy-gradient update on one batch. Pure: jit it once, with donation.
+
+    `loss_fn` is an Objective (fnrl.losses) or a bare term. The batch is split into
+    `micro_batches` whose gradients are summed: aggregation weights come from the
+    whole batch first, so the update equals the unsplit one. `ref_params` (the
+    frozen initial model) is needed only when the objective uses KL.
+    """
+    objective = as_objective(loss_fn)
+    needs_ref = "ref_logp_BxT" in objective.needs
+    if needs_ref and ref_params is None:
+        raise ValueError("the objective uses KL to a reference policy but ref_params is None")
+    with_entropy = "entropy_BxT" in objective.needs
+    batch = objective.weigh(batch)
+
+    def micro_step(mb):
+        if needs_ref:
+            mb = dict(mb, ref_logp_BxT=jax.lax.stop_gradient(
+                token_logprobs(graphdef, ref_params, *_model_inputs(mb))))
+
+        def loss_of(params):
+            logp_BxT, entropy_BxT = _logprobs(graphdef, params, *_model_inputs(mb),
+                                              with_entropy=with_entropy)
+            prepared, prep_metrics = objective.prepare(logp_BxT, mb)
+            if with_entropy:
+                prepared["entropy_BxT"] = entropy_BxT
+            loss, metrics = objective(logp_BxT, prepared)
+            return loss, ({**metrics, **prep_metrics}, jax.lax.stop_gradient(logp_BxT))
+
+        (loss, (metrics, logp_BxT)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        return grads, dict(metrics, loss=loss), logp_BxT
+
+    if micro_batches == 1:
+        grads, metrics, logp_BxT = micro_step(batch)
+    else:
+        stacked = split_micro_batches(batch, micro_batches)
+        if micro_sharding is not None:
+            stacked = jax.lax.with_sharding_constraint(stacked, micro_sharding)
+
+        def accumulate(grads_acc, mb):
+            grads, metrics, logp_BxT = micro_step(mb)
+            return jax.tree.map(jnp.add, grads_acc, grads), (metrics, logp_BxT)
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, (metrics_M, logp_MxBxT) = jax.lax.scan(accumulate, zeros, stacked)
+        tokens_M = jnp.sum(stacked["mask_BxT"], axis=(1, 2))
+        share_M = tokens_M / jnp.maximum(jnp.sum(tokens_M), 1.0)
+        metrics = {k: jnp.sum(v) if _is_summed(k) else jnp.sum(v * share_M)
+                   for k, v in metrics_M.items()}
+        logp_BxT = _merge_micro_batches(logp_MxBxT)
+
+    loss = metrics["loss"]
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     new_state = dataclasses.replace(
         state, step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
+    # Telemetry on the whole batch: trainer π (before the update) against vLLM's μ.
+    metrics = dict(metrics, **mismatch_metrics(logp_BxT, batch), grad_norm=optax.tree.norm(grads),
                    update_skipped=1.0 - finite.astype(jnp.float32))
     return new_state, metrics
 
 
-def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding):
-    """jax.jit with explicit shardings and the old state donated."""
-    loss_fn = functools.partial(POLICY_LOSSES["grpo"], clip_low=algo.clip_low,
-                                clip_high=algo.clip_high)
-    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=loss_fn)
-    return jax.jit(step, in_shardings=(state_sharding, batch_sharding),
+def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
+                       micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None):
+    """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
+
+    The result is called as step(state, batch, ref_params); ref_params is None unless
+    the config uses KL (then the frozen initial params, placed by `ref_sharding`).
+    """
+    objective = objective if objective is not None else build_objective(algo)
+    micro_sharding = None
+    if micro_batches > 1 and isinstance(batch_sharding, jax.sharding.NamedSharding):
+        micro_sharding = jax.sharding.NamedSharding(
+            batch_sharding.mesh, jax.sharding.PartitionSpec(None, *batch_sharding.spec))
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=objective,
+                             micro_batches=micro_batches, micro_sharding=micro_sharding)
+    return jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding),
                    out_shardings=(state_sharding, None), donate_argnums=0)
 
 

@@ -25,10 +25,10 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("model_cache"))
 
 
-@pytest.mark.parametrize("mode", ["laminar", "sync"])
-def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, mode):
+@pytest.mark.parametrize("preset", ["laminar", "sync"])
+def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, preset):
     run_dir = tmp_path / "run"
-    assert main(["--mode", mode, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
+    assert main(["--preset", preset, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
@@ -46,12 +46,14 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     # they match the trainer's own log-probs (zeros or garbage would differ by ~1 nat).
     fresh = [r for r in train if r["staleness_max"] == 0]
     assert fresh and all(r["logp_abs_diff"] < 1e-3 for r in fresh)
-    if mode == "sync":
+    if preset == "sync":
         assert all(r["staleness_max"] == 0 for r in train)
-    for name in ("config.json", "run_info.json", "curves.png", "summary.json"):
+    for name in ("config.json", "run_info.json", "curves.png", "summary.json", "timeline.png",
+                 "trajectories.jsonl", "partial_responses.log"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").iterdir())
     assert json.loads((run_dir / "run_info.json").read_text())["code"]["commit"]
+    assert json.loads((run_dir / "config.json").read_text())["preset"] == preset
 
 
 def test_a_killed_trainer_ends_the_job_with_its_error(tmp_path, cache_dir):

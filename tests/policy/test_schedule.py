@@ -1,68 +1,79 @@
-from fnrl.data.arith import Problem
-from fnrl.policy.schedule import SchedulePlan, decide, select_batch
-from fnrl.types import (Evaluate, Generate, Group, Pull, RolloutView, Segment, Snapshot, Train,
-                        Trajectory)
+"""The run schedule around the coordinator cycle: sync as η = 0, evaluation placement,
+the end of a run."""
+
+import numpy as np
+
+from fnrl.config import CoordinatorConfig
+from fnrl.policy.routing import RoutingConfig
+from fnrl.policy.schedule import SchedulePlan, cycle_config, decide, finished, init_schedule
+from fnrl.types import ClusterSnapshot, Consume, Evaluate, FillPrompts, Pull, Route
 
 
-def plan(mode, **kw):
-    base = dict(mode=mode, total_steps=10, groups_per_step=4, groups_per_rollout_batch=4,
-                next_eval_version=100, max_ready_groups=8)
-    return SchedulePlan(**{**base, **kw})
+def plan(eta=0, total_steps=10, eval_every=100, sync="greedy"):
+    coord = CoordinatorConfig(eta=eta, routing=RoutingConfig(sync=sync, migrate=False, mu=0.0))
+    return SchedulePlan(cycle=cycle_config(coord, batch_groups=2, prompt_groups=2),
+                        total_steps=total_steps, eval_every=eval_every)
 
 
-def snap(rollouts, *, trainer_version=0, trainer_busy=False, ready=0, inflight=0, steps=0):
-    return Snapshot(rollouts=tuple(RolloutView(i, v, b) for i, (v, b) in enumerate(rollouts)),
-                    trainer_version=trainer_version, trainer_busy=trainer_busy,
-                    ready_groups=ready, inflight_groups=inflight, steps_done=steps)
+def snap(versions, *, ps=0, idle=True, tids=(), gids=(), inst=(), rewarded=(), complete=None):
+    R = len(versions)
+    n = len(tids)
+    return ClusterSnapshot(
+        now_s=0.0, ps_version=ps, trainer_idle=idle,
+        inst_version_R=np.array(versions, np.int64), inst_kv_used_R=np.zeros(R),
+        inst_kv_prev_R=np.zeros(R), inst_kv_capacity_R=np.full(R, 1e6),
+        inst_num_complete_R=np.array(complete or [0] * R, np.int64),
+        traj_id_N=np.array(tids, np.int64), traj_gid_N=np.array(gids, np.int64),
+        traj_inst_N=np.array(inst, np.int64).reshape(-1), traj_waiting_N=np.zeros(n, bool),
+        traj_len_N=np.full(n, 4, np.int64), rewarded_gids=tuple(rewarded))
 
 
-def test_sync_generates_one_batch_split_over_rollouts():
-    assert decide(snap([(0, False), (0, False)]), plan("sync")) == (Generate(0, 2), Generate(1, 2))
+def test_first_cycle_fills_prompts_then_routes_them():
+    p = plan()
+    state = init_schedule(p, [0, 0], v_train=0, steps_done=0)
+    state, cmds = decide(snap([0, 0]), state, p)
+    assert cmds == (FillPrompts(2),)
+    # Two groups of two trajectories each are in the TS now.
+    state, cmds = decide(snap([0, 0], tids=[0, 1, 2, 3], gids=[0, 0, 1, 1], inst=[-1] * 4),
+                         state, p)
+    routed = sorted(t for c in cmds if isinstance(c, Route) for t in c.tids)
+    assert routed == [0, 1, 2, 3]
 
 
-def test_sync_barrier_waits_for_every_rollout():
-    assert decide(snap([(0, True), (0, False)], ready=2, inflight=2), plan("sync")) == ()
+def test_sync_is_a_barrier_and_pulls_before_the_next_batch():
+    p = plan(eta=0)
+    state = init_schedule(p, [0], v_train=0, steps_done=0)
+    state, _ = decide(snap([0]), state, p)
+    s = snap([0], tids=[0, 1, 2, 3], gids=[0, 0, 1, 1], inst=[-1] * 4)
+    state, cmds = decide(s, state, p)
+    assert sum(len(c.tids) for c in cmds if isinstance(c, Route)) == 4
+    # Both groups finished and rewarded: consume them; new prompts are not admitted on
+    # version 0 any more (η = 0), so nothing is routed while the trainer trains.
+    state, cmds = decide(snap([0], rewarded=[0, 1], complete=[4], tids=[4, 5], gids=[2, 2],
+                              inst=[-1, -1]), state, p)
+    assert Consume(0, (0, 1)) in cmds and not any(isinstance(c, Route) for c in cmds)
+    # The trainer published version 1: the rollout pulls, then the new batch is routed.
+    state, cmds = decide(snap([0], ps=1, complete=[4], tids=[4, 5], gids=[2, 2], inst=[-1, -1]),
+                         state, p)
+    kinds = [type(c) for c in cmds]
+    assert Pull in kinds and kinds.index(Pull) < kinds.index(Route)
 
 
-def test_sync_trains_then_pulls_everywhere():
-    assert decide(snap([(0, False), (0, False)], ready=4), plan("sync")) == (Train(4),)
-    assert decide(snap([(0, False), (0, False)], trainer_version=1, steps=1), plan("sync")) == (
-        Pull(0), Pull(1))
+def test_evaluation_only_on_an_idle_rollout_and_first_in_the_command_list():
+    p = plan(eta=1, eval_every=2, sync="on_idle")
+    state = init_schedule(p, [2, 2], v_train=2, steps_done=2)
+    assert state.next_eval_version == 4
+    busy = snap([4, 4], ps=4, tids=[0, 1], gids=[0, 0], inst=[0, 1])
+    state2, cmds = decide(busy, state, p)
+    assert not any(isinstance(c, Evaluate) for c in cmds)
+    one_idle = snap([4, 4], ps=4, tids=[0], gids=[0], inst=[0])
+    state2, cmds = decide(one_idle, state, p)
+    assert cmds[0] == Evaluate(1, 4) and state2.next_eval_version == 6
 
 
-def test_laminar_trains_while_rollouts_generate_and_pulls_only_idle_ones():
-    cmds = decide(snap([(0, True), (0, False)], trainer_version=1, ready=4, inflight=4, steps=1),
-                  plan("laminar"))
-    assert cmds == (Train(4), Pull(1))
-
-
-def test_laminar_idle_rollout_on_newest_version_generates():
-    cmds = decide(snap([(1, False)], trainer_version=1, trainer_busy=True, steps=1),
-                  plan("laminar"))
-    assert cmds == (Generate(0, 4),)
-
-
-def test_no_generation_beyond_what_remaining_steps_need():
-    cmds = decide(snap([(9, False)], trainer_version=9, trainer_busy=True, inflight=4, steps=9),
-                  plan("laminar"))
-    assert cmds == ()
-
-
-def test_evaluation_when_due():
-    cmds = decide(snap([(0, False), (0, False)]), plan("laminar", next_eval_version=0))
-    assert cmds[0] == Evaluate(0, 0) and cmds[1] == Generate(1, 4)
-
-
-def _group(version, uid="p"):
-    t = Trajectory(uid=uid, prompt_ids=(1,), segments=(Segment(version, (3,), (-0.1,)),),
-                   finish_reason="stop", reward=1.0)
-    return Group(Problem(uid, "1+1=", "2", 1), (t,))
-
-
-def test_select_batch_enforces_staleness_bound_fifo():
-    ready = [_group(0, "a"), _group(3, "b"), _group(4, "c"), _group(5, "d")]
-    batch, stale, rest = select_batch(ready, trainer_version=5, max_staleness=2, num_groups=2)
-    assert [g.problem.uid for g in batch] == ["b", "c"]
-    assert [g.problem.uid for g in stale] == ["a"]
-    assert [g.problem.uid for g in rest] == ["d"]
-    assert all(g.version + 2 >= 5 for g in batch)
+def test_nothing_after_the_last_step_is_issued():
+    p = plan(total_steps=3)
+    state = init_schedule(p, [0], v_train=3, steps_done=3)
+    assert decide(snap([3], ps=3), state, p) == (state, ())
+    assert finished(state, p, trainer_idle=True)
+    assert not finished(state, p, trainer_idle=False)

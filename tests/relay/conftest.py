@@ -58,3 +58,23 @@ def relay_factory(tmp_path):
 @pytest.fixture
 def relay(relay_factory) -> RelayProcess:
     return relay_factory()
+
+
+@pytest.fixture
+def tier_factory(tmp_path):
+    """Call it with a RelayConfig to start a chained tier of relays; all stopped after."""
+    from fnrl.relay.tier import RelayTier
+
+    started: list[RelayTier] = []
+
+    def start(cfg) -> RelayTier:
+        tier = RelayTier.launch(cfg, tmp_path, prefix=f"t{uuid.uuid4().hex[:8]}r")
+        started.append(tier)
+        return tier
+
+    yield start
+    for tier in started:
+        tier.stop()
+        for name in tier.members:
+            for path in store.SHM_DIR.glob(f"{segment_prefix(name)}*"):
+                store.unlink_segment(path.name)

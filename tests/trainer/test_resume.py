@@ -6,7 +6,6 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import write_run_config
 from fnrl.control.roles import Cluster
 from fnrl.control.wire import RoleClient
 from fnrl.relay.client import RelayClient
@@ -38,8 +37,8 @@ def _start_trainer(cluster, cfg_path, model_dir, relay):
     return role, client, client.call({"cmd": "init"}, timeout_s=300)
 
 
-def test_kill_and_resume_continues_at_the_right_step_with_identical_params(tmp_path,
-                                                                           tiny_model_dir):
+def test_kill_and_resume_continues_at_the_right_step_with_identical_params(
+        tmp_path, tiny_model_dir, write_run_config):
     run_dir = tmp_path / "run"
     cfg_path = write_run_config(run_dir, run_dir=str(run_dir))
     cluster = Cluster(run_dir)

@@ -1,0 +1,203 @@
+"""Weight synchronisation through the relay tier, measured side by side in one run.
+
+    python benchmarks/weight_sync.py [--sizes-mb 10 100 500 2048] [--max-p 8]
+
+For each weight size it prints, beside its reference:
+  1. the trainer's stall per publish (hand-off to the master relay through shared memory)
+     against one memory copy of the same bytes (goal <= 1.5x);
+  2. the chain broadcast time to p = 1..max_p relays on this host, T(p)/T(1) (goal <= 1.5),
+     beside the prediction of Laminar's Appendix C cost model fitted on this host;
+  3. a rollout's pull-to-serving time (ask the local relay, map the version, copy it into
+     preallocated serving parameters as vLLM's reload does) against one memory copy
+     (goal <= 3x).
+Configurations that would not fit in 70% of the available memory are skipped and say so
+(each relay holds its newest version plus a populated spare segment for the next).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fnrl.relay import store  # noqa: E402
+from fnrl.relay.chain import ChainPlan  # noqa: E402
+from fnrl.relay.client import RelayClient  # noqa: E402
+from fnrl.relay.config import MIB, RelayConfig  # noqa: E402
+from fnrl.relay.tier import RelayTier  # noqa: E402
+from fnrl.serving.worker_ext import torch_views  # noqa: E402
+
+TENSORS = 8  # a version is 8 float32 tensors of equal size
+
+
+def weights(total_bytes: int, version: int) -> dict[str, np.ndarray]:
+    n = total_bytes // TENSORS // 4
+    out = {}
+    for i in range(TENSORS):
+        a = np.empty(n, np.float32)
+        a[:] = version + i  # touches every page, so the source is warm like a trainer's
+        out[f"model.layers.{i}.mlp.weight"] = a
+    return out
+
+
+def memcpy_s(src: dict[str, np.ndarray], dst: dict[str, np.ndarray]) -> float:
+    """One copy of the same bytes into warm, preallocated memory (the reference)."""
+    t = time.perf_counter()
+    for k, a in src.items():
+        np.copyto(dst[k], a)
+    return time.perf_counter() - t
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_spares(addresses: list[str], timeout_s: float = 120.0) -> None:
+    """Let every relay finish populating its segment for the next version, so one
+    measurement's page allocation does not run under the next."""
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        with RelayClient(address, timeout_s=5) as c:
+            while not c.ping()["spare_ready"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+
+def stall_and_pull(size: int, log_dir: str) -> dict:
+    """Trainer stall and pull-to-serving on one master relay."""
+    cfg = RelayConfig(num_relays=1, keep_versions=1, inbox_slots=1)
+    tier = RelayTier.launch(cfg, log_dir, prefix=f"bs{size // MIB}r")
+    try:
+        master = RelayClient(tier.master.address, timeout_s=120)
+        src = weights(size, 0)
+        # The serving parameters are also the reference copy's destination (saves memory).
+        serving = {k: torch.zeros(a.shape, dtype=torch.float32) for k, a in src.items()}
+        dst = {k: t.numpy() for k, t in serving.items()}
+        # Reference and measurement alternate, so load from other jobs hits both alike.
+        refs, stalls = [], []
+        for version in range(5):  # the first publish maps the inbox slot: warm-up
+            wait_spares(tier.addresses)
+            refs.append(memcpy_s(src, dst))
+            t = time.perf_counter()
+            master.publish(version, src, wait="held")
+            stalls.append(time.perf_counter() - t)
+            master.wait_version(version, timeout_s=120)
+        # Pull: what fnrl_pull does, with vLLM's parameter copy done by torch here.
+        pull_refs, pulls = [], []
+        for _ in range(5):
+            pull_refs.append(memcpy_s(src, dst))
+            t = time.perf_counter()
+            arrays = store.open_version(master.latest())
+            for name, view in torch_views(arrays):
+                serving[name].copy_(view)
+            pulls.append(time.perf_counter() - t)
+            del arrays
+        master.close()
+        return {"ref": statistics.median(refs[1:] + pull_refs[1:]),
+                "stall": statistics.median(stalls[1:]),
+                "stall_ratio": statistics.median(s / r for s, r in zip(stalls[1:], refs[1:])),
+                "pull": statistics.median(pulls[1:]),
+                "pull_ratio": statistics.median(p / r for p, r in zip(pulls[1:], pull_refs[1:]))}
+    finally:
+        tier.stop()
+
+
+def broadcast(size: int, max_p: int, log_dir: str, t_start: float | None) -> list[float]:
+    """T(p) for p = 1..max_p: from the end of the hand-off to the last relay verified."""
+    cfg = RelayConfig(num_relays=max_p + 1, keep_versions=1, inbox_slots=1)
+    tier = RelayTier.launch(cfg, log_dir, prefix=f"bb{size // MIB}r")
+    names = list(tier.plan.order)
+    src = weights(size, 0)
+    times = []
+    try:
+        master = RelayClient(tier.master.address, timeout_s=120)
+        version = 0
+        for p in range(1, max_p + 1):
+            tier.plan = ChainPlan(order=tuple(names[: p + 1]), epoch=p)
+            tier.configure()
+            tail = RelayClient(tier.members[names[p]].address, timeout_s=120)
+            best = float("inf")
+            for _ in range(2 if size <= 128 * MIB else 1):
+                wait_spares(tier.addresses)
+                master.publish(version, src, wait="held")
+                t = time.perf_counter()
+                tail.wait_version(version, timeout_s=300)
+                best = min(best, time.perf_counter() - t)
+                version += 1
+            times.append(best)
+            tail.close()
+        master.close()
+    finally:
+        tier.stop()
+    return times
+
+
+def laminar_model(p: int, size: int, chunk: int, t_byte: float, t_start: float) -> float:
+    """Appendix C: T = (n + k - 2)(M/k T_byte + T_start), n = p + 1 nodes with the master."""
+    k = max(1, -(-size // chunk))
+    return (p + 1 + k - 2) * (size / k * t_byte + t_start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2048])
+    parser.add_argument("--max-p", type=int, default=8)
+    args = parser.parse_args()
+    chunk = RelayConfig().chunk_bytes
+    log_dir = tempfile.mkdtemp(prefix="fnrl-weight-sync-")
+    print(f"# relay logs in {log_dir}; chunk {chunk // MIB} MiB; UCX over shared memory/CMA")
+
+    # T_start of the cost model: a one-chunk, 64 KiB version through one hop.
+    t_start = broadcast(64 * 1024, 1, log_dir, None)[0]
+    print(f"# fitted T_start = {t_start * 1e3:.2f} ms (64 KiB, one hop)\n")
+
+    print("## 1. trainer stall per publish vs one memcpy (goal <= 1.5x)  and"
+          "  3. pull-to-serving vs one memcpy (goal <= 3x)")
+    print("# medians of 4 runs; ratios are medians of per-run ratios (reference measured")
+    print("# right before each run: this box is shared and its load moves both alike)")
+    print(f"{'size':>8} {'memcpy':>9} {'stall':>9} {'stall/cp':>8} {'pull':>9} {'pull/cp':>8}")
+    for mb in args.sizes_mb:
+        size = mb * MIB
+        if size * 5 > available_bytes() * 0.7:
+            print(f"{mb:>6}MB  skipped (memory: needs ~{5 * mb} MB)")
+            continue
+        r = stall_and_pull(size, log_dir)
+        print(f"{mb:>6}MB {r['ref'] * 1e3:>7.1f}ms {r['stall'] * 1e3:>7.1f}ms "
+              f"{r['stall_ratio']:>7.2f}x {r['pull'] * 1e3:>7.1f}ms {r['pull_ratio']:>7.2f}x",
+              flush=True)
+
+    print("\n## 2. broadcast to p relays: measured T(p), T(p)/T(1) (goal <= 1.5), "
+          "Laminar App. C model")
+    for mb in args.sizes_mb:
+        size = mb * MIB
+        max_p = args.max_p
+        while max_p > 0 and size * (2 * max_p + 4) > available_bytes() * 0.7:
+            max_p -= 1
+        if max_p == 0:
+            print(f"{mb:>6}MB  skipped (memory)")
+            continue
+        times = broadcast(size, max_p, log_dir, t_start)
+        k = max(1, -(-size // chunk))
+        t_byte = max(times[0] - k * t_start, 1e-9) / size  # fitted on T(1)
+        print(f"{mb}MB ({k} chunks): fitted T_byte = {1 / t_byte / 1e9:.2f} GB/s per hop"
+              + ("" if max_p == args.max_p else f"; p > {max_p} skipped (memory)"))
+        print(f"{'p':>4} {'T(p)':>9} {'T(p)/T(1)':>9} {'model':>9} {'model/T1':>9}")
+        for p, t in enumerate(times, start=1):
+            model = laminar_model(p, size, chunk, t_byte, t_start)
+            print(f"{p:>4} {t * 1e3:>7.1f}ms {t / times[0]:>8.2f}x {model * 1e3:>7.1f}ms "
+                  f"{model / laminar_model(1, size, chunk, t_byte, t_start):>8.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

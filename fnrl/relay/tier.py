@@ -1,0 +1,148 @@
+"""The relay tier's controller: starts relays, orders the chain, repairs it.
+
+It observes (pings every relay: alive? which version?), decides with the pure functions
+of `fnrl.relay.chain`, and acts by sending each relay its place in the chain. A monitor
+thread repeats this every `heartbeat_s`, so a dead relay is spliced out and a dead
+master replaced without anyone asking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+from fnrl.relay import chain as chain_policy
+from fnrl.relay.client import RelayClient, RelayError
+from fnrl.relay.config import RelayConfig
+from fnrl.relay.launch import free_port, launch_relay, stop_relay, wait_relay_ready
+
+log = logging.getLogger("fnrl.relay")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelayMember:
+    """One relay process as the controller knows it."""
+
+    name: str
+    address: str
+    ucx_address: str
+    proc: subprocess.Popen | None = None
+
+
+class RelayTier:
+    """The relays of one job and their broadcast chain."""
+
+    def __init__(self, members: list[RelayMember], cfg: RelayConfig):
+        self.cfg = cfg
+        self.members = {m.name: m for m in members}
+        self.removed: list[str] = []
+        self.plan = chain_policy.ChainPlan(
+            order=chain_policy.plan_chain([m.name for m in members], None), epoch=0)
+        self._misses = {m.name: 0 for m in members}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    @classmethod
+    def launch(cls, cfg: RelayConfig, log_dir: str | os.PathLike, *, prefix: str = "relay",
+               start_timeout_s: float = 60.0) -> RelayTier:
+        """Start `cfg.num_relays` relay processes named `<prefix>0..`, chain them, and return
+        the tier. Relays that were started are stopped again if any fails to come up."""
+        procs = []
+        try:
+            for i in range(cfg.num_relays):
+                name, address = f"{prefix}{i}", f"tcp://127.0.0.1:{free_port()}"
+                procs.append((name, address, launch_relay(
+                    address, name, Path(log_dir) / f"{name}.log", cfg)))
+            members = [RelayMember(name=n, address=a, proc=p,
+                                   ucx_address=wait_relay_ready(a, p, start_timeout_s)["ucx_address"])
+                       for n, a, p in procs]
+        except BaseException:
+            for name, _, proc in procs:
+                stop_relay(proc, name)
+            raise
+        tier = cls(members, cfg)
+        tier.configure()
+        return tier
+
+    @property
+    def master(self) -> RelayMember:
+        return self.members[self.plan.master]
+
+    @property
+    def addresses(self) -> list[str]:
+        """Control addresses in chain order, the master's first."""
+        return [self.members[n].address for n in self.plan.order]
+
+    def configure(self) -> None:
+        """Send every relay its place in the current plan (master, downstream, epoch)."""
+        master = self.master
+        for name in self.plan.order:
+            down = self.plan.downstream_of(name)
+            with RelayClient(self.members[name].address, timeout_s=self.cfg.heartbeat_timeout_s) as c:
+                try:
+                    c.set_chain(epoch=self.plan.epoch, master=master.name,
+                                master_address=master.address,
+                                downstream=None if down is None else {
+                                    "name": down, "ucx_address": self.members[down].ucx_address})
+                except RelayError as err:  # the next check splices it out
+                    log.warning("relay %s did not take its chain: %s", name, err)
+
+    def check(self) -> bool:
+        """Ping every relay in the chain; splice out the dead (exited, or `heartbeat_misses`
+        pings unanswered in a row), elect a new master if the master died, and tell the
+        survivors. True if the chain changed."""
+        with self._lock:
+            alive, versions = [], {}
+            for name in self.plan.order:
+                member = self.members[name]
+                if member.proc is not None and member.proc.poll() is not None:
+                    continue
+                with RelayClient(member.address, timeout_s=self.cfg.heartbeat_timeout_s) as c:
+                    try:
+                        versions[name] = c.ping()["version"]
+                        self._misses[name] = 0
+                    except RelayError:
+                        self._misses[name] += 1
+                        if self._misses[name] >= self.cfg.heartbeat_misses:
+                            continue
+                alive.append(name)
+            plan = chain_policy.repair(self.plan, alive, versions)
+            if plan == self.plan:
+                return False
+            self.removed += [n for n in self.plan.order if n not in plan.order]
+            log.warning("relay chain epoch %d: %s (removed %s)", plan.epoch, " -> ".join(plan.order),
+                        [n for n in self.plan.order if n not in plan.order])
+            self.plan = plan
+            if plan.order:
+                self.configure()
+            return True
+
+    def start_monitor(self) -> None:
+        """Run `check` every `heartbeat_s` in a daemon thread until `stop`."""
+
+        def loop() -> None:
+            while not self._stop.wait(self.cfg.heartbeat_s):
+                try:
+                    self.check()
+                except Exception:  # noqa: BLE001 - the monitor must outlive one bad round
+                    log.exception("relay tier check failed")
+
+        self._monitor = threading.Thread(target=loop, name="relay-tier-monitor", daemon=True)
+        self._monitor.start()
+
+    def stop_monitor(self) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=10)
+
+    def stop(self) -> None:
+        """Stop the monitor and every relay process this tier started."""
+        self.stop_monitor()
+        for member in self.members.values():
+            if member.proc is not None:
+                stop_relay(member.proc, member.name)

@@ -1,0 +1,196 @@
+"""From GRPO groups to the arrays of one train step: pure functions, host-side numpy.
+
+    arrays, info = build_batch([g.trajectories for g in groups], algo=cfg.algo,
+                               trainer=cfg.trainer, seq_len=seq_len, pad_id=pad_id)
+
+A sample is anything with `prompt_ids`, `response_ids`, `logprobs` (μ, one per
+response token), `versions` and `reward` (None = invalid): `fnrl.types.Trajectory`.
+
+Shapes are static per length bucket, so the jitted step compiles at most once per
+bucket. Two layouts:
+  one sequence per row (pack_rows = 0): rows = number of sequences, T = the smallest
+      bucket that holds the longest sequence; `adv_B` per row.
+  packed (pack_rows = R): sequences first-fit-decreasing into R rows of T tokens, with
+      `segment_ids_BxT` / `positions_BxT` so attention stays inside each sequence;
+      `adv_BxT` per token.
+With micro-batches, row r belongs to micro-batch r % M (as `split_micro_batches`
+splits), and every GRPO group is placed inside a single micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.losses.advantages import informative, overlong_penalty
+from fnrl.losses.core import ADVANTAGES
+
+Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward
+
+
+def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
+                     ) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Per-sequence advantages by group, after DAPO overlong shaping of the rewards."""
+    width = max(len(g) for g in groups)
+    rewards = np.full((len(groups), width), np.nan, np.float64)  # ragged groups: NaN pad
+    lengths = np.zeros_like(rewards)
+    for gi, group in enumerate(groups):
+        for si, s in enumerate(group):
+            rewards[gi, si] = np.nan if s.reward is None else s.reward
+            lengths[gi, si] = len(s.response_ids)
+    raw = rewards.copy()
+    if algo.overlong_buffer > 0:
+        rewards = rewards + overlong_penalty(lengths, max_len=algo.max_new_tokens,
+                                             buffer=algo.overlong_buffer,
+                                             factor=algo.overlong_penalty)
+    adv = ADVANTAGES[algo.advantage](rewards, algo.adv_eps)
+    any_valid = bool(np.isfinite(raw).any())
+    info = {"reward_mean": float(np.nanmean(raw)) if any_valid else float("nan"),
+            "zero_variance_groups": sum(not informative(g) for g in raw.tolist()),
+            "overlong_penalty_mean": float(np.nanmean(rewards - raw))
+            if any_valid else 0.0}
+    return [adv[gi, :len(g)] for gi, g in enumerate(groups)], info
+
+
+def default_buckets(seq_len: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to seq_len, then seq_len: at most log2 compilations."""
+    out, b = [], 16
+    while b < seq_len:
+        out.append(b)
+        b *= 2
+    return (*out, seq_len)
+
+
+def choose_length(longest: int, buckets: Sequence[int], seq_len: int) -> int:
+    """The smallest bucket ≥ `longest` next-token positions (no buckets: powers of two)."""
+    buckets = tuple(buckets) or default_buckets(seq_len)
+    for bucket in buckets:
+        if bucket >= longest:
+            return bucket
+    raise ValueError(f"a sequence needs {longest} positions; the largest length bucket is "
+                     f"{buckets[-1]}")
+
+
+def assign_micro_batches(group_sizes: Sequence[int], micro_batches: int) -> list[int]:
+    """Micro-batch of each group: largest first onto the least-loaded micro-batch."""
+    load = [0] * micro_batches
+    out = [0] * len(group_sizes)
+    for gi in sorted(range(len(group_sizes)), key=lambda g: -group_sizes[g]):
+        m = min(range(micro_batches), key=lambda k: load[k])
+        out[gi] = m
+        load[m] += group_sizes[gi]
+    return out
+
+
+def first_fit_decreasing(sizes: Sequence[int], num_bins: int, capacity: int) -> list[int] | None:
+    """Bin of each item, or None if they do not fit into num_bins of `capacity`."""
+    free = [capacity] * num_bins
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        b = next((b for b in range(num_bins) if free[b] >= sizes[i]), None)
+        if b is None:
+            return None
+        out[i] = b
+        free[b] -= sizes[i]
+    return out
+
+
+def _plan_unpacked(group_of: list[int], micro_of_group: list[int], micro_batches: int
+                   ) -> tuple[list[tuple[int, int]], int]:
+    """(row, start=0) of each sequence, one per row; rows r ≡ micro-batch (mod M)."""
+    per_micro = [0] * micro_batches
+    place = []
+    for g in group_of:
+        m = micro_of_group[g]
+        place.append((per_micro[m] * micro_batches + m, 0))
+        per_micro[m] += 1
+    return place, max(per_micro) * micro_batches
+
+
+def _plan_packed(slots: list[int], group_of: list[int], micro_of_group: list[int],
+                 rows: int, micro_batches: int, length: int) -> list[tuple[int, int]] | None:
+    """(row, start) of each sequence packed into `rows` rows of `length`, or None."""
+    rows_per_micro = rows // micro_batches
+    place: list[tuple[int, int] | None] = [None] * len(slots)
+    for m in range(micro_batches):
+        members = [i for i, g in enumerate(group_of) if micro_of_group[g] == m]
+        bins = first_fit_decreasing([slots[i] for i in members], rows_per_micro, length)
+        if bins is None:
+            return None
+        fill = [0] * rows_per_micro
+        for i, b in zip(members, bins):
+            place[i] = (b * micro_batches + m, fill[b])
+            fill[b] += slots[i]
+    return place
+
+
+def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer: TrainerConfig,
+                seq_len: int, pad_id: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Arrays for one train step from whole groups, plus host-side facts about them.
+
+    seq_len is the longest next-token length the model takes (used when there are no
+    length buckets). Invalid samples (reward None) stay in the batch with mask 0.
+    """
+    adv_by_group, info = group_advantages(groups, algo)
+    samples = [s for g in groups for s in g]
+    group_of = [gi for gi, g in enumerate(groups) for _ in g]
+    adv = np.concatenate(adv_by_group).astype(np.float32)
+    slots = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
+    M = trainer.micro_batches
+    micro_of_group = assign_micro_batches([sum(slots[i] for i, g in enumerate(group_of) if g == gi)
+                                           for gi in range(len(groups))], M)
+    longest = max(slots)
+    if trainer.pack_rows == 0:
+        length = choose_length(longest, trainer.length_buckets, seq_len)
+        place, rows = _plan_unpacked(group_of, micro_of_group, M)
+    else:
+        rows = trainer.pack_rows
+        for length in [b for b in (trainer.length_buckets or default_buckets(seq_len))
+                       if b >= longest]:
+            place = _plan_packed(slots, group_of, micro_of_group, rows, M, length)
+            if place is not None:
+                break
+        else:
+            raise ValueError(f"{len(samples)} sequences ({sum(slots)} positions) do not fit "
+                             f"{rows} rows of the length buckets "
+                             f"{trainer.length_buckets or default_buckets(seq_len)}")
+
+    arrays = _fill(samples, place, adv, rows, length, pad_id, packed=trainer.pack_rows > 0)
+    info.update(tokens=int(arrays["mask_BxT"].sum()), length=length, rows=rows,
+                fill=float(sum(slots) / (rows * length)))
+    return arrays, info
+
+
+def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[str, np.ndarray]:
+    """Writes each sequence's next-token arrays at its (row, start)."""
+    input_ = np.full((rows, length), pad_id, np.int32)
+    target = np.full((rows, length), pad_id, np.int32)
+    mask = np.zeros((rows, length), np.float32)
+    behaviour = np.zeros((rows, length), np.float32)
+    adv_BxT = np.zeros((rows, length), np.float32)
+    adv_B = np.zeros((rows,), np.float32)
+    segment = np.zeros((rows, length), np.int32)
+    positions = np.zeros((rows, length), np.int32)
+    next_segment = np.ones((rows,), np.int32)
+    for s, (row, start), a in zip(samples, place, adv):
+        tokens = np.asarray(tuple(s.prompt_ids) + tuple(s.response_ids), np.int32)
+        n, plen = len(tokens) - 1, len(s.prompt_ids)
+        span = slice(start, start + n)
+        input_[row, span], target[row, span] = tokens[:-1], tokens[1:]
+        response = slice(start + plen - 1, start + n)
+        # An invalid sample keeps its place (shapes stay static) but trains nothing.
+        mask[row, response] = 0.0 if s.reward is None else 1.0
+        behaviour[row, response] = np.asarray(s.logprobs, np.float32)
+        adv_BxT[row, response], adv_B[row] = a, a
+        segment[row, span] = next_segment[row]
+        positions[row, span] = np.arange(n)
+        next_segment[row] += 1
+    out = {"input_BxT": input_, "target_BxT": target, "mask_BxT": mask,
+           "behaviour_logp_BxT": behaviour}
+    if packed:
+        out.update(adv_BxT=adv_BxT, segment_ids_BxT=segment, positions_BxT=positions)
+    else:
+        out["adv_B"] = adv_B
+    return out

@@ -1,0 +1,68 @@
+"""Pure chain decisions: order, election, splicing."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from fnrl.relay.chain import ChainPlan, elect_master, plan_chain, repair
+from fnrl.relay.config import RelayConfig
+
+
+def test_plan_puts_master_first_and_keeps_the_rest_in_order():
+    assert plan_chain(["a", "b", "c", "d"], "c") == ("c", "a", "b", "d")
+    assert plan_chain(["a", "b"], None) == ("a", "b")
+    assert plan_chain(["a", "b"], "gone") == ("a", "b")
+    with pytest.raises(ValueError, match="repeat"):
+        plan_chain(["a", "a"], None)
+
+
+def test_downstream_of():
+    plan = ChainPlan(order=("m", "x", "y"), epoch=0)
+    assert [plan.downstream_of(n) for n in plan.order] == ["x", "y", None]
+
+
+def test_election_prefers_newest_version_then_chain_order():
+    assert elect_master(["a", "b", "c"], {"a": 3, "b": 5, "c": 5}) == "b"
+    assert elect_master(["a", "b"], {"a": None, "b": None}) == "a"
+    assert elect_master(["a", "b"], {"b": 0}) == "b"
+    assert elect_master([], {}) is None
+
+
+def test_repair_splices_a_dead_middle_relay():
+    plan = ChainPlan(order=("m", "a", "b", "c"), epoch=4)
+    fixed = repair(plan, ["c", "m", "b"], {})  # a dead; the order of `alive` does not matter
+    assert fixed.order == ("m", "b", "c") and fixed.epoch == 5
+    assert fixed.downstream_of("m") == "b"
+    assert repair(plan, list(plan.order), {}) is plan
+
+
+def test_repair_elects_a_new_master_when_the_master_dies():
+    plan = ChainPlan(order=("m", "a", "b"), epoch=0)
+    fixed = repair(plan, ["a", "b"], {"a": 6, "b": 7})
+    assert fixed.order == ("b", "a") and fixed.master == "b"
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=9), st.data())
+def test_repair_keeps_survivors_in_order_and_a_live_master(alive_mask, data):
+    names = [f"r{i}" for i in range(len(alive_mask))]
+    plan = ChainPlan(order=tuple(names), epoch=0)
+    alive = [n for n, a in zip(names, alive_mask) if a]
+    versions = {n: data.draw(st.one_of(st.none(), st.integers(0, 3))) for n in alive}
+    fixed = repair(plan, alive, versions)
+    assert set(fixed.order) == set(alive)
+    if alive:
+        assert fixed.master in alive
+        rest = [n for n in names if n in alive and n != fixed.master]
+        assert list(fixed.order[1:]) == rest  # splicing never reorders survivors
+        if plan.master not in alive:
+            newest = max(-1 if v is None else v for v in versions.values())
+            assert (-1 if versions[fixed.master] is None else versions[fixed.master]) == newest
+
+
+@pytest.mark.parametrize("field,value", [("chunk_bytes", 0), ("chunk_bytes", 100),
+                                         ("num_relays", 0), ("chunk_timeout_s", -1.0)])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"RelayConfig.{field}={value}"):
+        RelayConfig(**{field: value})
