@@ -80,6 +80,20 @@ class RolloutClient:
         request_id: str | None = None,
     ) -> list[Completion]:
         """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable."""
+        body = await self._completion_body(prompt_ids, n=n, max_tokens=max_tokens,
+                                           temperature=temperature, seed=seed,
+                                           stop_token_ids=stop_token_ids, request_id=request_id)
+        reply = await self._post("/v1/completions", body, self.timeout_s)
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise ServerError(f"server {self.base_url}: asked n={n}, got {len(choices)}")
+        return [self._completion(c) for c in choices]
+
+    async def _completion_body(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
+                               temperature: float, seed: int | None,
+                               stop_token_ids: Sequence[int], request_id: str | None,
+                               **extra) -> dict:
+        """The /v1/completions request: token ids in, token ids and sampled log-probs out."""
         body = {
             "model": await self._model_name(),
             "prompt": [int(t) for t in prompt_ids],
@@ -94,14 +108,11 @@ class RolloutClient:
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
             **_NEUTRAL_SAMPLING,
+            **extra,
         }
         if request_id is not None:
             body["request_id"] = request_id
-        reply = await self._post("/v1/completions", body, self.timeout_s)
-        choices = sorted(reply["choices"], key=lambda c: c["index"])
-        if len(choices) != n:
-            raise ServerError(f"server {self.base_url}: asked n={n}, got {len(choices)}")
-        return [self._completion(c) for c in choices]
+        return body
 
     async def generate_stream(
         self,
@@ -120,24 +131,10 @@ class RolloutClient:
         connection, and vLLM aborts the request: that is how an interrupt stops a
         trajectory. Every chunk already yielded is the caller's to keep.
         """
-        body = {
-            "model": await self._model_name(),
-            "prompt": [int(t) for t in prompt_ids],
-            "n": 1,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "stop_token_ids": [int(t) for t in stop_token_ids],
-            "ignore_eos": ignore_eos,
-            "stream": True,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            **_NEUTRAL_SAMPLING,
-        }
-        if request_id is not None:
-            body["request_id"] = request_id
+        body = await self._completion_body(prompt_ids, n=1, max_tokens=max_tokens,
+                                           temperature=temperature, seed=seed,
+                                           stop_token_ids=stop_token_ids, request_id=request_id,
+                                           ignore_eos=ignore_eos, stream=True)
         url = self.base_url + "/v1/completions"
         for attempt in range(2):
             yielded = False
