@@ -47,6 +47,7 @@ from fnrl.data.reward import checked_reward
 from fnrl.policy import schedule
 from fnrl.policy.routing import SpeculativeState, snapshot_is_valid
 from fnrl.serving.client import RolloutClient
+from fnrl.losses.advantages import informative
 from fnrl.trainer.batching import build_batch
 from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group, Interrupt,
                         Migrate, Pull, Route, Trajectory)
@@ -385,6 +386,14 @@ class Controller:
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids,
                                     segments=item.segments, finish_reason=item.finish_reason,
                                     reward=reward))
+        if self.cfg.algo.dynamic_sampling and not informative([t.reward for t in trajs]):
+            # DAPO dynamic sampling: a group whose rewards are all equal has no signal. It
+            # is dropped like an aborted group, so the staleness buffer frees its entry and
+            # the cycle admits another prompt: the batch stays full of informative groups.
+            rec.dropped = True
+            self.table.dropped.append(gid)
+            self.book.counts["dynamic_sampling_dropped"] += 1
+            return
         self.book.buffer, _ = experience.add(self.book.buffer,
                                              [(gid, Group(rec.problem, tuple(trajs)))])
         self.table.rewarded.append(gid)
@@ -552,4 +561,5 @@ class Controller:
 # Counters every preset reports, so runs compare key for key.
 COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
               "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
+              "dynamic_sampling_dropped",
               "unfinished_at_end")
