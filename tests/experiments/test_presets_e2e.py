@@ -84,13 +84,13 @@ def test_fnrl_routes_over_two_rollouts_within_the_bound(tmp_path, cache_dir):
 
 def test_partial_rollout_continues_interrupted_trajectories_on_new_versions(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    # Longer responses (median 40 tokens, up to 120), so some are still running when
+    # Longer responses (median 60 tokens, up to 120), so some are still running when
     # the trainer publishes even though this tiny model's step is quick.
-    longer = ["--rollout.len-median", "40", "--rollout.len-max", "120", "--algo.max-new-tokens",
+    longer = ["--rollout.len-median", "60", "--rollout.len-max", "120", "--algo.max-new-tokens",
               "120"]
-    assert main(["--preset", "partial_rollout", "--steps", "5", "--run-dir", str(run_dir),
+    assert main(["--preset", "partial_rollout", "--steps", "7", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *SMALL, *longer]) == 0
-    consumed, summary = check_run(run_dir, eta=2, steps=5)
+    consumed, summary = check_run(run_dir, eta=2, steps=7)
     assert summary["interrupted"] > 0 and summary["continued"] > 0
     multi = [t for g in consumed for t in g["trajectories"] if len(t["segments"]) > 1]
     assert multi, "no consumed trajectory was interrupted and continued"
