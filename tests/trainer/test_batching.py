@@ -12,18 +12,17 @@ import pytest
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.losses import build_objective
 from fnrl.models.hf_io import load_pretrained
+from fnrl.types import Segment, Trajectory
 from fnrl.trainer.batching import build_batch
 from fnrl.trainer.step import (init_state, make_optimizer, pack_sequences, scatter_response,
                                train_step)
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    prompt_ids: tuple
-    response_ids: tuple
-    logprobs: tuple
-    versions: tuple
-    reward: float | None
+def Sample(prompt_ids, response_ids, logprobs, versions, reward) -> Trajectory:
+    """A version-0 trajectory: what build_batch and the loop consume."""
+    return Trajectory(uid="t", prompt_ids=tuple(prompt_ids),
+                      segments=(Segment(versions[0] if versions else 0, tuple(response_ids),
+                                        tuple(logprobs)),), finish_reason="stop", reward=reward)
 
 
 def _groups(seed=0, num_groups=4, group_size=4, max_response=7, invalid=True):

@@ -5,7 +5,6 @@ vLLM's completions exactly as the controller builds one.
 """
 
 import asyncio
-import dataclasses
 
 import aiohttp
 import jax
@@ -16,19 +15,18 @@ from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.hf_io import load_pretrained, save_pretrained
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
+from fnrl.types import Segment, Trajectory
 from fnrl.trainer.batching import build_batch
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer, token_logprobs
 
 pytestmark = pytest.mark.slow
 
 
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    prompt_ids: tuple
-    response_ids: tuple
-    logprobs: tuple
-    versions: tuple
-    reward: float
+def Sample(prompt_ids, response_ids, logprobs, versions, reward) -> Trajectory:
+    """A version-0 trajectory: what build_batch and the loop consume."""
+    return Trajectory(uid="t", prompt_ids=tuple(prompt_ids),
+                      segments=(Segment(versions[0] if versions else 0, tuple(response_ids),
+                                        tuple(logprobs)),), finish_reason="stop", reward=reward)
 
 
 @pytest.fixture(scope="module")
