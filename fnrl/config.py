@@ -17,6 +17,7 @@ from typing import Any, Literal
 from fnrl.policy.balance import BalanceConfig
 from fnrl.policy.repack import RepackConfig
 from fnrl.policy.routing import CostModel, RoutingConfig
+from fnrl.relay.config import RelayConfig
 
 
 def _check(cond: bool, owner: str, name: str, value: Any, why: str) -> None:
@@ -37,17 +38,35 @@ VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """The synthetic arithmetic task (see fnrl.data.arith)."""
+    """The prompts: the synthetic arithmetic task (fnrl.data.arith), or JSONL files
+    (fnrl.data.dataset) when `dataset` names one."""
 
     seed: int = 1234
     num_eval: int = 256
     min_level: int = 1
     max_level: int = 4
+    dataset: str = ""
+    """JSONL of training rows; empty: the synthetic task."""
+    eval_dataset: str = ""
+    """JSONL of eval rows; empty: num_eval rows of `dataset` are held out instead."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """skip: a malformed row is skipped and recorded in bad_rows.jsonl; error: stop."""
 
     def __post_init__(self):
         _positive(self, "num_eval")
         _check(1 <= self.min_level <= self.max_level <= 5, "TaskConfig", "min_level..max_level",
                (self.min_level, self.max_level), "need 1 <= min_level <= max_level <= 5")
+        _check(self.on_bad_row in ("skip", "error"), "TaskConfig", "on_bad_row", self.on_bad_row,
+               "must be 'skip' or 'error'")
+        _check(not self.eval_dataset or self.dataset, "TaskConfig", "eval_dataset",
+               self.eval_dataset, "needs task.dataset (the synthetic task has its own eval split)")
+        for name in ("prompt_key", "answer_key"):
+            _check(bool(getattr(self, name)), "TaskConfig", name, getattr(self, name),
+                   "must name a field")
+        _check(self.prompt_key != self.answer_key, "TaskConfig", "answer_key", self.answer_key,
+               "must differ from prompt_key")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,6 +352,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     coord: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
     def __post_init__(self):
         _positive(self, "steps", "eval_every", "trainer_timeout_s")

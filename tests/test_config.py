@@ -38,3 +38,18 @@ def test_missing_model_files_are_named(tmp_path, capsys):
     assert main(["--model.model-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "lacks model.safetensors, tokenizer.json" in err
+
+
+def test_relay_flags_parse_and_survive_the_run_config_file(tmp_path):
+    import json
+
+    from fnrl.config import save_json
+    from fnrl.experiments.math_grpo import parse_config
+    cfg = parse_config(["--relay.num-relays", "2", "--relay.chunk-bytes", "1048576",
+                        "--relay.ucx-error-handling"])
+    assert (cfg.relay.num_relays, cfg.relay.chunk_bytes, cfg.relay.ucx_error_handling) == \
+        (2, 2**20, True)
+    save_json(cfg, tmp_path / "config.json")
+    assert from_dict(RunConfig, json.loads((tmp_path / "config.json").read_text())) == cfg
+    with pytest.raises(ValueError, match="RelayConfig.num_relays=0"):
+        from_dict(RunConfig, {"relay": {"num_relays": 0}})

@@ -96,13 +96,13 @@ class Controller:
     """Drives one run. Role processes are started and stopped by the caller."""
 
     def __init__(self, cfg: RunConfig, *, cluster: Cluster, trainer: wire.RoleClient,
-                 relay_address: str, rollouts: list[RolloutClient], prompts: PromptStream,
+                 relay_for: Callable[[int], str], rollouts: list[RolloutClient], prompts: PromptStream,
                  eval_set: list[Problem], encode: Callable[[str], list[int]],
                  decode: Callable[[list[int]], str], reward_fn: Callable[[str, str], float],
                  eos_id: int, pad_id: int, seq_len: int, writer: MetricsWriter,
                  trainer_version: int, run_dir: Path):
         self.cfg, self.cluster = cfg, cluster
-        self.relay_address = relay_address
+        self.relay_for = relay_for  # rollout index -> address of the relay it pulls from
         self.rollouts = [RolloutState(c) for c in rollouts]
         self.prompts, self.eval_set = prompts, eval_set
         self.encode, self.decode, self.reward_fn = encode, decode, reward_fn
@@ -243,7 +243,7 @@ class Controller:
             await rollout.pull_task
         await asyncio.gather(*rollout.evals, return_exceptions=True)
         if rollout.version < self.book.trainer_version:
-            rollout.version = await rollout.client.pull(self.relay_address)
+            rollout.version = await rollout.client.pull(self.relay_for(0))
         await self._evaluate(rollout)
 
     # --- act ----------------------------------------------------------------------
@@ -405,7 +405,7 @@ class Controller:
         if evals:
             await asyncio.wait(evals)     # an evaluation pins the version it started on
         t0 = time.perf_counter()
-        rollout.version = await rollout.client.pull(self.relay_address)
+        rollout.version = await rollout.client.pull(self.relay_for(rid))
         t1 = time.perf_counter()
         self.book.time["pull_s"] += t1 - t0
         self.timeline.append({"t": t1 - self._t0, "event": "pull", "rid": rid,

@@ -8,8 +8,10 @@
 `--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
 fnrl.experiments.presets) sets the coordinator; any other flag overrides it.
 
-Starts a relay, a trainer process and vLLM servers, then runs the controller loop in
-this process. The run directory gets the resolved config, seed and code version,
+Starts vLLM servers, a relay tier (`--relay.num-relays`, one relay per simulated host:
+the trainer hands each version to the master, which broadcasts it down the chain, and
+rollout i pulls from relay i mod n) and a trainer process, then runs the controller loop
+in this process. The run directory gets the resolved config, seed and code version,
 metrics.jsonl, TensorBoard events, curves.png, timeline.png, trajectories.jsonl, the
 partial response pool's log, role logs and Orbax checkpoints.
 A role that dies ends the job with that role's error.
@@ -37,6 +39,8 @@ from fnrl.data.arith import BOS, EOS, PAD, PromptStream, eval_problems
 from fnrl.data.reward import math_reward
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.warm_start import ensure_default_model
+from fnrl.relay.client import RelayClient, RelayError
+from fnrl.relay.tier import RelayTier
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, free_port
 
@@ -77,8 +81,20 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def wait_tier_holds(tier: RelayTier, version: int, timeout_s: float) -> None:
+    """Block until every relay in the chain serves `version` (the trainer's first, so each
+    rollout finds it at its own relay)."""
+    for address in tier.addresses:
+        with RelayClient(address, timeout_s=10.0) as relay:
+            try:
+                relay.wait_version(version, timeout_s=timeout_s)
+            except RelayError as err:
+                raise RoleError(f"relay {address} never received version {version}: {err}") \
+                    from err
+
+
 async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, trainer: RoleClient,
-                          relay_address: str, model_dir: Path, trainer_version: int) -> dict:
+                          tier: RelayTier, model_dir: Path, trainer_version: int) -> dict:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
     eval_set = eval_problems(cfg.task.seed, cfg.task.num_eval, cfg.task.min_level,
@@ -93,15 +109,15 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
     async with aiohttp.ClientSession(connector=connector) as session:
         clients = [RolloutClient(u, session, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
         controller = Controller(
-            cfg, cluster=cluster, trainer=trainer, relay_address=relay_address,
+            cfg, cluster=cluster, trainer=trainer, relay_for=tier.local_address,
             rollouts=clients, prompts=prompts, eval_set=eval_set,
             encode=lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids,
             decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos, pad_id=pad,
             seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version,
             run_dir=run_dir)
         # Servers start from the model directory (version 0); after a resume they catch up.
-        for c, state in zip(clients, controller.rollouts):
-            state.version = await c.pull(relay_address) if trainer_version > 0 else 0
+        for rid, (c, state) in enumerate(zip(clients, controller.rollouts)):
+            state.version = await c.pull(tier.local_address(rid)) if trainer_version > 0 else 0
         try:
             return await controller.run()
         finally:
@@ -114,27 +130,28 @@ def run(cfg: RunConfig) -> dict:
     run_dir = prepare_run_dir(cfg)
     cluster = Cluster(run_dir)
     try:
-        relay = cluster.start_relay()
         max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
         for rid in range(cfg.rollout.num_servers):
             cluster.start_server(rid, ServerSpec(
                 model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
                 max_num_seqs=cfg.rollout.max_num_seqs,
                 kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid))
-        role = cluster.start_trainer(run_dir / "config.json", model_dir, relay.address)
+        # Relays come up while the servers load; the trainer publishes to them.
+        tier = cluster.start_relays(cfg.relay)
+        role = cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
         trainer = RoleClient("trainer", role.address, role.proc, str(role.log_path))
-        cluster.wait_relay_ready(relay)
         t0 = time.perf_counter()
         init = trainer.call({"cmd": "init"}, timeout_s=cfg.trainer_timeout_s)
         print(f"trainer ready at version {init['version']}"
               + (f" (resumed from step {init['resumed_from']})" if init["resumed_from"] else "")
               + f" in {time.perf_counter() - t0:.1f}s", flush=True)
+        wait_tier_holds(tier, init["version"], timeout_s=120.0)
         t0 = time.perf_counter()
         cluster.wait_servers_ready(cfg.rollout.start_timeout_s)
         print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
               flush=True)
-        summary = asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, relay.address,
-                                              model_dir, init["version"]))
+        summary = asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, tier, model_dir,
+                                              init["version"]))
         trainer.call({"cmd": "shutdown"}, timeout_s=120)
     finally:
         cluster.stop()

@@ -78,6 +78,20 @@ class RelayTier:
         """Control addresses in chain order, the master's first."""
         return [self.members[n].address for n in self.plan.order]
 
+    def local_address(self, index: int) -> str:
+        """Control address of the relay a rollout with this index pulls from: relay
+        `index % n` in launch order (its host's), or, once that one has been spliced out,
+        a survivor's (spread over them by index, so one dead relay moves its rollouts
+        to different neighbours)."""
+        plan = self.plan  # replaced whole by the monitor thread: read it once
+        launched = list(self.members)
+        home = launched[index % len(launched)]
+        if home in plan.order:
+            return self.members[home].address
+        if not plan.order:
+            raise RuntimeError("every relay of the tier has died")
+        return self.members[plan.order[index % len(plan.order)]].address
+
     def configure(self) -> None:
         """Send every relay its place in the current plan (master, downstream, epoch)."""
         master = self.master

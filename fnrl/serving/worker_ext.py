@@ -62,6 +62,9 @@ class RelayWeightLoader:
         self.reload_weights(weights_iterator=torch_views(arrays))
         self._fnrl_version = manifest.version
         self._fnrl_reload_s = time.perf_counter() - start
+        # In the rollout's log: which relay each version came from (the e2e test reads it).
+        print(f"fnrl_pull: version {manifest.version} from relay {relay_address} in "
+              f"{self._fnrl_reload_s * 1e3:.1f} ms", flush=True)
         return manifest.version
 
     def fnrl_version(self) -> int:

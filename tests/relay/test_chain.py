@@ -66,3 +66,19 @@ def test_repair_keeps_survivors_in_order_and_a_live_master(alive_mask, data):
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"RelayConfig.{field}={value}"):
         RelayConfig(**{field: value})
+
+
+def test_rollouts_pull_from_their_own_relay_and_move_to_survivors_when_it_dies():
+    from fnrl.relay.tier import RelayMember, RelayTier
+
+    tier = RelayTier([RelayMember(name=f"r{i}", address=f"tcp://r{i}", ucx_address="")
+                      for i in range(3)], RelayConfig(num_relays=3))
+    assert [tier.local_address(i) for i in range(6)] == [f"tcp://r{i % 3}" for i in range(6)]
+    tier.plan = repair(tier.plan, ["r1", "r2"], {"r1": 4, "r2": 4})  # the master r0 died
+    assert tier.plan.order == ("r1", "r2")
+    moved = [tier.local_address(i) for i in (0, 3)]
+    assert set(moved) == {"tcp://r1", "tcp://r2"}  # spread over the survivors
+    assert [tier.local_address(i) for i in (1, 2, 4, 5)] == ["tcp://r1", "tcp://r2"] * 2
+    tier.plan = repair(tier.plan, [], {})
+    with pytest.raises(RuntimeError, match="every relay"):
+        tier.local_address(0)
