@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fnrl.data.experience import SAMPLERS
 from fnrl.policy.balance import BalanceConfig
 from fnrl.policy.repack import RepackConfig
 from fnrl.policy.routing import CostModel, RoutingConfig
@@ -320,6 +321,12 @@ class CoordinatorConfig:
     """Abort the unfinished groups of a head buffer Stuck this long (0: never)."""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     cost: CostModel = field(default_factory=CostModel)
+    cost_file: str = ""
+    """JSON written by `python -m fnrl.policy.profile_cost` ("auto": the model directory's
+    cost_model.json), loaded into `cost` at start; the run's config.json keeps the values."""
+    sampler: str = "fifo"
+    """Which rewarded groups a Consume trains when more than a batch are ready:
+    fnrl.data.experience.SAMPLERS ("fifo": arrival order; "oldest_version")."""
     use_repack: bool = False
     repack: RepackConfig = field(default_factory=RepackConfig)
     use_balance: bool = False
@@ -331,6 +338,8 @@ class CoordinatorConfig:
         _check(self.eta >= 0, "CoordinatorConfig", "eta", self.eta, "must be >= 0")
         _check(self.stuck_timeout_s >= 0, "CoordinatorConfig", "stuck_timeout_s",
                self.stuck_timeout_s, "must be >= 0 (0: off)")
+        _check(self.sampler in SAMPLERS, "CoordinatorConfig", "sampler", self.sampler,
+               f"must be one of {sorted(SAMPLERS)}")
 
 
 @dataclass(frozen=True, kw_only=True)

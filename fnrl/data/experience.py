@@ -1,17 +1,20 @@
 """The experience buffer (Laminar seed 000 §3.1, §6): completed, rewarded groups waiting
 to be trained on, with pluggable sampling chosen by registered name.
 
-Immutable: `add`, `sample` and `take` return a new buffer. Under StaleFlow's protocol
-the trainer takes exactly the groups a `Consume` names (`take`); without it, `sample`
-picks by a sampler: "fifo" (Laminar's default in its experiments) or "oldest_version"
-(stalest first, so fewer groups age past a staleness bound).
+Immutable: `add`, `sample` and `take` return a new buffer. Samplers: "fifo" (Laminar's
+default in its experiments) or "oldest_version" (stalest first, so fewer groups age
+past a staleness bound). In the live loop StaleFlow's protocol decides what is trained:
+the cycle ranks every occupied (rewarded) group with the configured sampler
+(`--coord.sampler`, fnrl.policy.staleness.choose_batch), the Consume names the chosen
+groups, and the trainer `take`s exactly those. `sample` serves loops without the
+protocol.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from fnrl.types import Group
 
@@ -27,15 +30,26 @@ class Experience:
         return self.group.version
 
 
-Sampler = Callable[[tuple[Experience, ...], int], tuple[int, ...]]
-"""(items in arrival order, n) -> positions of the n items to train on, in batch order."""
+class Ranked(Protocol):
+    """What a sampler reads: an Experience, or a staleness Entry (fnrl.policy.staleness)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def seq(self) -> int: ...
 
 
-def _fifo(items: tuple[Experience, ...], n: int) -> tuple[int, ...]:
-    return tuple(range(min(n, len(items))))
+Sampler = Callable[[tuple[Ranked, ...], int], tuple[int, ...]]
+"""(items, n) -> positions of the n items to train on, in batch order."""
 
 
-def _oldest_version(items: tuple[Experience, ...], n: int) -> tuple[int, ...]:
+def _fifo(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
+    order = sorted(range(len(items)), key=lambda i: items[i].seq)
+    return tuple(order[:n])
+
+
+def _oldest_version(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
     order = sorted(range(len(items)), key=lambda i: (items[i].version, items[i].seq))
     return tuple(order[:n])
 

@@ -3,6 +3,7 @@
     python -m fnrl.experiments.math_grpo                   # preset fnrl, embedded model, CPU
     python -m fnrl.experiments.math_grpo --preset sync --steps 20
     python -m fnrl.experiments.math_grpo --preset staleflow --coord.eta 2
+    python -m fnrl.experiments.math_grpo --coord.cost-file auto   # after fnrl.policy.profile_cost
     python -m fnrl.experiments.math_grpo --help
 
 `--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
@@ -20,7 +21,9 @@ A role that dies ends the job with that role's error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +42,7 @@ from fnrl.data.arith import BOS, EOS, PAD, PromptStream, eval_problems
 from fnrl.data.reward import math_reward
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.warm_start import ensure_default_model
+from fnrl.policy.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.tier import RelayTier
 from fnrl.serving.client import RolloutClient
@@ -69,6 +73,17 @@ def resolve_model_dir(cfg: RunConfig) -> Path:
     if missing:
         raise FileNotFoundError(f"model.model_dir={str(model_dir)!r} lacks {', '.join(missing)}")
     return model_dir
+
+
+def with_cost_file(cfg: RunConfig, model_dir: Path) -> tuple[RunConfig, Path | None]:
+    """`--coord.cost-file` loaded into `coord.cost` (the file's absolute path kept), and
+    the file, or the config unchanged and None when no file is named."""
+    path = resolve_cost_file(cfg.coord.cost_file, model_dir)
+    if path is None:
+        return cfg, None
+    coord = dataclasses.replace(cfg.coord, cost=load_cost_model(path),
+                                cost_file=str(path.absolute()))
+    return dataclasses.replace(cfg, coord=coord), path
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
@@ -127,7 +142,10 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
 def run(cfg: RunConfig) -> dict:
     """Runs the whole job and returns its summary; raises RoleError if a role dies."""
     model_dir = resolve_model_dir(cfg)
+    cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
+    if cost_path is not None:  # the fitted model with its measurements, beside the run
+        shutil.copyfile(cost_path, run_dir / COST_FILE_NAME)
     cluster = Cluster(run_dir)
     try:
         max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]

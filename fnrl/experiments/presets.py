@@ -30,7 +30,9 @@ from fnrl.policy.routing import RoutingConfig
 
 
 def _coord(cfg: RunConfig, name: str, **kw) -> RunConfig:
-    return dataclasses.replace(cfg, preset=name, coord=CoordinatorConfig(**kw))
+    # The cost model describes the engine, not the policy: every preset keeps it.
+    engine = {"cost": cfg.coord.cost, "cost_file": cfg.coord.cost_file}
+    return dataclasses.replace(cfg, preset=name, coord=CoordinatorConfig(**engine, **kw))
 
 
 def sync(cfg: RunConfig) -> RunConfig:

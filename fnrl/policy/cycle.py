@@ -5,7 +5,8 @@ Order within a cycle (StaleFlow Alg. 1, extended with Laminar's repack and Orche
 balancer):
 
 1. Staleness events: Occupy rewarded groups, Abort dropped ones (and, if configured,
-   the reserved groups of a head buffer Stuck too long); Consume a Ready head buffer
+   the reserved groups of a head buffer Stuck too long); Consume a Ready head buffer,
+   refilled first with the occupied groups the sampler ranks best (staleness.choose_batch),
    when the trainer is idle. These run on every snapshot: they come from the data path,
    not from the rollouts whose view may be stale.
 2. Validation against the speculative state P (§5.2 Eq. 1). An invalid snapshot stops
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fnrl.data.experience import SAMPLERS
 from fnrl.policy import staleness as st
 from fnrl.policy.balance import BalanceConfig, plan_balance
 from fnrl.policy.repack import RepackConfig, plan_repack, repack_due
@@ -44,6 +46,9 @@ class CycleConfig:
     """None: no repack (StaleFlow alone)."""
     balance: BalanceConfig | None = None
     """None: no reactive balancing."""
+    sampler: str = "fifo"
+    """Which occupied groups a Consume trains when more than a batch are rewarded
+    (fnrl.data.experience.SAMPLERS; staleness.choose_batch)."""
     prompt_groups: int | None = None
     """Initial (not yet admitted) groups to keep in the TS. None: one batch. Gap (digest
     gap 9): the paper sizes the TS at (η+1) × batch_size without saying whether in
@@ -51,6 +56,9 @@ class CycleConfig:
     bound only the not-yet-admitted ones, in groups."""
 
     def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"CycleConfig.sampler={self.sampler!r}: must be one of "
+                             f"{sorted(SAMPLERS)}")
         if self.prompt_groups is not None and self.prompt_groups < 0:
             raise ValueError(f"CycleConfig.prompt_groups={self.prompt_groups!r}: must be >= 0")
 
@@ -99,6 +107,8 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
         cmds.append(DropGroups(timed_out))
     consumed = None
     if snap.trainer_idle and st.buffer_state(stale_state, 0) is st.BufferState.READY:
+        sampler = SAMPLERS[cfg.sampler]
+        stale_state = st.choose_batch(stale_state, lambda es: sampler(es, len(es)))
         stale_state, batch = st.consume(stale_state)
         consumed = stale_state.v_train - 1
         cmds.append(Consume(consumed, tuple(e.gid for e in batch)))

@@ -1,28 +1,36 @@
 """Fit StaleFlow's decode cost model on the local vLLM engine (seed 001 §5.3, App. B).
 
-    python -m fnrl.policy.profile_cost --model-dir DIR --out FILE
+    python -m fnrl.policy.profile_cost                       # embedded model
+    python -m fnrl.policy.profile_cost --model-dir DIR --out FILE.json
 
-starts a server, runs batches of random prompts over a grid of batch sizes and prompt
-lengths, and fits L = k1·kv + max(k2, k3·n) + k4 (Eq. 11) by least squares ("offline
-profiling and linear regression", §5.3). The JSON it writes loads with
-`load_cost_model` into a `CostModel` for `CycleConfig.cost`.
+starts a vLLM server (fnrl.serving.server, as the main job does), streams batches of
+random prompts over a grid of batch sizes and context lengths, fits
+L = k1·kv + max(k2, k3·n) + k4 (Eq. 11) by least squares ("offline profiling and linear
+regression", §5.3), checks the fit on held-out batches measured in the same session, and
+writes JSON (default: `cost_model.json` in the model directory). The job loads it with
+`--coord.cost-file PATH` (or `auto`: the model directory's file) into CoordinatorConfig.cost.
 
-How a run becomes equations: we cannot time single decode steps over HTTP, so each run
-(B requests of prompt length P, released together) gives one equation for its wall time
+How a run becomes an equation: single decode steps cannot be timed over HTTP, so each
+run (B streamed requests of prompt length P, released together, each forced by
+`ignore_eos` to its own length) gives one equation for its wall time
 
-    wall ≈ c0 + c_pre·B·P + Σ_t [k1·kv_t + k3·max(c, n_t) + k4]
+    wall ≈ c0 + c_req·B + c_pre·B·P + Σ_t [k1·kv_t + k3·max(c, n_t) + k4]
 
 where step t has n_t = #{i : len_i > t} running requests holding kv_t = Σ (P + t) tokens,
-known from the returned lengths (so early EOS is fine), c = k2/k3 is the roofline point,
-c0 the HTTP and scheduling overhead, c_pre the prefill cost per token. For fixed c the
-model is linear; we scan c and keep the best fit. Prefill is fitted but not part of the
-cost model, which models decode only (App. B: decode is 89.9% of rollout time).
+c = k2/k3 is the roofline point, c0 the per-batch and c_req the per-request HTTP and
+scheduling overhead, c_pre the prefill cost per prompt token. Lengths differ within a
+run so n_t falls during it, which separates the per-sequence term k3 from the per-step
+term k4. For fixed c the model is linear; we scan c and keep the best fit. Rows are
+weighted by 1/wall so short and long runs count alike (the error that matters to
+routing is relative). Prefill and overheads are fitted but not part of the cost model,
+which models decode only (App. B: decode is 89.9% of rollout time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from fnrl.policy.routing import CostModel
+
+COST_FILE_NAME = "cost_model.json"
+FEATURES = ("kv_tokens", "steps", "seq_steps", "batch", "requests", "prefill_tokens")
+"""Columns of `step_features`; `seq_steps` is Σ max(c, n_t)."""
 
 
 @dataclass(frozen=True)
@@ -41,117 +53,329 @@ class Measurement:
 
 
 def step_features(m: Measurement, crossover: float) -> np.ndarray:
-    """[Σ kv_t, steps, Σ max(c, n_t), 1, B·P] for one run."""
+    """[Σ kv_t, steps, Σ max(c, n_t), 1, B, B·P] for one run (order: FEATURES)."""
     lengths = np.asarray(m.lengths)
     t = np.arange(int(lengths.max()) if lengths.size else 0)
     running = lengths[None, :] > t[:, None]                  # T × B
     n_t = running.sum(1)
     kv_t = (running * (m.prompt_len + t[:, None])).sum(1)
     return np.array([kv_t.sum(), len(t), np.maximum(crossover, n_t).sum(), 1.0,
-                     len(lengths) * m.prompt_len], dtype=np.float64)
+                     len(lengths), len(lengths) * m.prompt_len], dtype=np.float64)
 
 
-def fit_cost_model(runs: list[Measurement], *, max_batch: int | None = None
-                   ) -> tuple[CostModel, dict]:
-    """Least-squares fit of (k1, k2, k3, k4); returns the model and fit diagnostics."""
-    if len(runs) < 6:
-        raise ValueError(f"need at least 6 runs to fit 5 unknowns robustly, got {len(runs)}")
+@dataclass(frozen=True, kw_only=True)
+class RunCostFit:
+    """The decode cost model plus the per-run terms fitted beside it."""
+
+    cost: CostModel
+    overhead_s: float               # c0, per batch
+    per_request_s: float            # c_req
+    prefill_s_per_token: float      # c_pre
+
+    @property
+    def crossover(self) -> float:
+        return self.cost.k2 / self.cost.k3 if self.cost.k3 > 0 else float("inf")
+
+    def coefficients(self) -> np.ndarray:
+        """Weights of `step_features(m, self.crossover)`."""
+        return np.array([self.cost.k1, self.cost.k4, self.cost.k3, self.overhead_s,
+                         self.per_request_s, self.prefill_s_per_token])
+
+    def predict_wall(self, m: Measurement) -> float:
+        c = self.crossover if np.isfinite(self.crossover) else 1.0
+        return float(step_features(m, c) @ self.coefficients())
+
+
+def fit_quality(fit: RunCostFit, runs: list[Measurement]) -> dict:
+    """R² and relative errors of predicted against measured wall times."""
     y = np.array([m.wall_s for m in runs])
+    pred = np.array([fit.predict_wall(m) for m in runs])
+    rel = np.abs(pred - y) / y
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float(((pred - y) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+    return {"runs": len(runs), "r2": r2, "mean_relative_error": float(rel.mean()),
+            "median_relative_error": float(np.median(rel)),
+            "max_relative_error": float(rel.max())}
+
+
+def fit_cost_model(runs: list[Measurement], *, max_batch: int | None = None) -> RunCostFit:
+    """Weighted least squares over (k1, k4, k3, c0, c_req, c_pre), scanning c = k2/k3."""
+    if len(runs) < 2 * len(FEATURES):
+        raise ValueError(f"need at least {2 * len(FEATURES)} runs to fit {len(FEATURES)} "
+                         f"unknowns robustly, got {len(runs)}")
+    y = np.array([m.wall_s for m in runs])
+    if (y <= 0).any():
+        raise ValueError("every run's wall_s must be > 0")
+    w = 1.0 / y
     top = max_batch or max(len(m.lengths) for m in runs)
     best = None
     for c in np.unique(np.concatenate([np.linspace(1, top, 64), np.arange(1, top + 1)])):
         x = np.stack([step_features(m, c) for m in runs])
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        coef = np.maximum(coef, 0.0)     # latencies cannot be negative
-        rel = np.abs(x @ coef - y) / y
-        if best is None or rel.mean() < best[2]:
-            best = (c, coef, rel.mean())
-    c, (k1, k4, k3, c0, c_pre), err = best
-    model = CostModel(k1=float(k1), k2=float(k3 * c), k3=float(k3), k4=float(k4), k5=1.0)
-    return model, {"crossover": float(c), "overhead_s": float(c0),
-                   "prefill_s_per_token": float(c_pre), "mean_relative_error": float(err)}
+        coef = _nonnegative_lstsq(x * w[:, None], y * w)
+        err = float((np.abs(x @ coef - y) * w).mean())
+        if best is None or err < best[2]:
+            best = (c, coef, err)
+    c, (k1, k4, k3, c0, c_req, c_pre), _ = best
+    # k3 = 0 means no per-sequence cost was seen; the model still needs k2+k3+k4 > 0.
+    cost = CostModel(k1=float(k1), k2=float(k3 * c), k3=float(k3), k4=float(k4), k5=1.0)
+    return RunCostFit(cost=cost, overhead_s=float(c0), per_request_s=float(c_req),
+                      prefill_s_per_token=float(c_pre))
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0 (latencies cannot be negative): refit
+    without the columns that came out negative until none does (an active-set loop;
+    exact here, where at most a few columns are ever dropped)."""
+    active = np.ones(a.shape[1], bool)
+    coef = np.zeros(a.shape[1])
+    while active.any():
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        idx = np.flatnonzero(active)
+        active[idx[np.argmin(sol)]] = False
+    return coef
 
 
 def load_cost_model(path: str | Path) -> CostModel:
+    """The CostModel stored by this command (or any JSON with k1..k5)."""
     data = json.loads(Path(path).read_text())
-    return CostModel(**{k: data[k] for k in ("k1", "k2", "k3", "k4", "k5")})
+    try:
+        return CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
+    except KeyError as err:
+        raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileArgs:
-    model_dir: str
-    out: str
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    prompt_lens: tuple[int, ...] = (8, 64)
-    max_tokens: int = 48
-    repeats: int = 2
+    """Profile the decode cost of one model on the local vLLM engine."""
+
+    model_dir: str = ""
+    """HF model directory; empty: the embedded default model (built if missing)."""
+    out: str = ""
+    """Where to write the JSON; empty: MODEL_DIR/cost_model.json (what `--coord.cost-file
+    auto` loads)."""
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    heldout_batch_sizes: tuple[int, ...] = (3, 12, 48)
+    """Measured in the same session, interleaved with the fit runs, never fitted."""
+    context_fractions: tuple[float, ...] = (0.25, 0.5, 1.0)
+    """Context at the end of a run's longest request, as fractions of the model's
+    context (max_position_embeddings, capped at max_context)."""
+    max_context: int = 512
+    repeats: int = 5
+    """Runs per batch; each batch's median wall time is fitted."""
     max_num_seqs: int = 64
-    kv_memory_fraction: float = 0.2
+    kv_memory_fraction: float = 0.05
     startup_timeout_s: float = 300.0
     seed: int = 0
 
     def __post_init__(self):
-        if min(self.batch_sizes) <= 0 or max(self.batch_sizes) > self.max_num_seqs:
-            raise ValueError(f"ProfileArgs.batch_sizes={self.batch_sizes!r}: must be in "
-                             f"1..max_num_seqs={self.max_num_seqs}")
-        if self.max_tokens <= 0 or min(self.prompt_lens) <= 0:
-            raise ValueError("ProfileArgs.max_tokens and prompt_lens must be > 0")
+        sizes = self.batch_sizes + self.heldout_batch_sizes
+        if not self.batch_sizes or min(sizes) <= 0 or max(sizes) > self.max_num_seqs:
+            raise ValueError(f"ProfileArgs.batch_sizes={self.batch_sizes!r} / heldout_batch_"
+                             f"sizes={self.heldout_batch_sizes!r}: must be in 1..max_num_seqs="
+                             f"{self.max_num_seqs}")
+        if not self.context_fractions or not all(0 < f <= 1 for f in self.context_fractions):
+            raise ValueError(f"ProfileArgs.context_fractions={self.context_fractions!r}: "
+                             "must be in (0, 1]")
+        for name in ("max_context", "repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ProfileArgs.{name}={getattr(self, name)!r}: must be > 0")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"ProfileArgs.kv_memory_fraction={self.kv_memory_fraction!r}: "
+                             "must be in (0, 1)")
 
 
-async def _measure(args: ProfileArgs, base_url: str, vocab: int) -> list[Measurement]:
+@dataclass(frozen=True)
+class RunSpec:
+    """One batch to measure: prompt length and each request's forced response length."""
+
+    prompt_len: int
+    lengths: tuple[int, ...]
+    heldout: bool
+
+
+def plan_runs(args: ProfileArgs, context: int) -> list[RunSpec]:
+    """The distinct batches of a session. For each batch size and context, the prompt
+    takes 1/8 or 1/2 of the context in turn and the responses are spread over [1/4, 1]
+    of the rest, so n_t falls during a run, and prefill tokens (B·P), decoded tokens
+    (Σ n_t) and requests (B) vary apart from each other: the fit can tell them apart."""
+    rng = np.random.default_rng(args.seed)
+    specs = []
+    for heldout, sizes in ((False, args.batch_sizes), (True, args.heldout_batch_sizes)):
+        for i, batch in enumerate(sizes):
+            for j, frac in enumerate(args.context_fractions):
+                total = max(4, int(frac * context))
+                prompt = max(1, total // (8 if (i + j) % 2 else 2))
+                top = total - prompt
+                lengths = rng.integers(max(1, top // 4), top + 1, size=batch)
+                lengths[0] = top     # every run reaches its stated context
+                specs.append(RunSpec(prompt, tuple(int(x) for x in lengths), heldout))
+    return specs
+
+
+def run_order(n_specs: int, repeats: int, seed: int) -> list[int]:
+    """Every spec `repeats` times, shuffled, so drift in the machine's load spreads over
+    fit and held-out runs alike."""
+    return np.random.default_rng(seed + 1).permutation(np.repeat(np.arange(n_specs), repeats)
+                                                       ).tolist()
+
+
+def median_runs(specs: list[RunSpec], order: list[int], walls: list[float]
+                ) -> list[Measurement]:
+    """One Measurement per spec with the median of its repeats' wall times: on a shared
+    machine a run now and then loses the core to another process, and the median
+    ignores that where a mean would not."""
+    by_spec = _group(order, walls)
+    return [Measurement(s.prompt_len, s.lengths, float(np.median(by_spec[i])))
+            for i, s in enumerate(specs)]
+
+
+async def measure(base_url: str, specs: list[RunSpec], order: list[int], *, vocab: int,
+                  seed: int = 0) -> list[float]:
+    """Runs specs[i] for i in `order` against the server, streamed as the main job
+    streams, and returns each run's wall time."""
     import aiohttp
 
     from fnrl.serving.client import RolloutClient
 
-    rng = np.random.default_rng(args.seed)
-    runs = []
+    rng = np.random.default_rng(seed)
+
+    async def one(client, spec: RunSpec) -> float:
+        # Fresh random prompts each run, so the prefix cache never shortcuts prefill.
+        prompts = rng.integers(3, vocab, size=(len(spec.lengths), spec.prompt_len)).tolist()
+
+        async def request(prompt, length) -> int:
+            n = 0
+            async for chunk in client.generate_stream(prompt, max_tokens=length,
+                                                      temperature=1.0, seed=None,
+                                                      ignore_eos=True):
+                n += len(chunk.token_ids)
+            return n
+
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(request(p, n) for p, n in zip(prompts, spec.lengths)))
+        wall = time.perf_counter() - t0
+        if tuple(got) != spec.lengths:
+            raise RuntimeError(f"asked lengths {spec.lengths}, got {tuple(got)}")
+        return wall
+
     async with aiohttp.ClientSession() as session:
         client = RolloutClient(base_url, session)
-
-        async def one_run(batch: int, prompt_len: int) -> Measurement:
-            # Fresh random prompts each run, so the prefix cache never shortcuts prefill.
-            prompts = rng.integers(3, vocab, size=(batch, prompt_len)).tolist()
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(client.generate(
-                p, n=1, max_tokens=args.max_tokens, temperature=1.0,
-                seed=int(rng.integers(1 << 30))) for p in prompts))
-            wall = time.perf_counter() - t0
-            return Measurement(prompt_len, tuple(len(o[0].token_ids) for o in outs), wall)
-
-        await one_run(2, 8)  # warm-up (first requests compile / allocate)
-        for _ in range(args.repeats):
-            for batch in args.batch_sizes:
-                for prompt_len in args.prompt_lens:
-                    runs.append(await one_run(batch, prompt_len))
-    return runs
+        # Warm-up: first requests allocate buffers and fill the allocator's caches.
+        for spec in sorted(specs, key=lambda s: len(s.lengths))[-3:]:
+            await one(client, spec)
+        return [await one(client, specs[i]) for i in order]
 
 
-def main(args: ProfileArgs) -> dict:
+def model_context(model_dir: Path, cap: int) -> tuple[int, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return min(int(config["max_position_embeddings"]), cap), int(config["vocab_size"])
+
+
+def profile(args: ProfileArgs, model_dir: Path) -> dict:
+    """Start a server on `model_dir`, measure, fit, evaluate held-out; the JSON record."""
     from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
 
-    config = json.loads((Path(args.model_dir) / "config.json").read_text())
-    max_len = max(args.prompt_lens) + args.max_tokens + 8
-    spec = ServerSpec(model_dir=args.model_dir, port=free_port(), max_model_len=max_len,
+    context, vocab = model_context(model_dir, args.max_context)
+    specs = plan_runs(args, context)
+    order = run_order(len(specs), args.repeats, args.seed)
+    spec = ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=context,
                       max_num_seqs=args.max_num_seqs,
                       kv_memory_fraction=args.kv_memory_fraction, seed=args.seed)
     log = Path(tempfile.mkdtemp(prefix="fnrl-profile-")) / "server.log"
     proc = launch_server(spec, log)
+    t0 = time.perf_counter()
     try:
         wait_ready(spec.base_url, proc, args.startup_timeout_s)
-        runs = asyncio.run(_measure(args, spec.base_url, int(config["vocab_size"])))
+        walls = asyncio.run(measure(spec.base_url, specs, order, vocab=vocab, seed=args.seed))
     finally:
         stop_server(proc)
-    model, diag = fit_cost_model(runs, max_batch=max(args.batch_sizes))
-    record = {**asdict(model), **diag, "model_dir": str(args.model_dir),
-              "measurements": [asdict(m) for m in runs]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    runs = median_runs(specs, order, walls)
+    fit_runs = [m for m, s in zip(runs, specs) if not s.heldout]
+    held = [m for m, s in zip(runs, specs) if s.heldout]
+    fit = fit_cost_model(fit_runs, max_batch=max(args.batch_sizes))
+    spread = [np.ptp(w) / np.median(w) for w in _group(order, walls).values() if len(w) > 1]
+    import vllm
+
+    return {
+        **asdict(fit.cost),
+        "crossover": fit.crossover,
+        "overhead_s": fit.overhead_s,
+        "per_request_s": fit.per_request_s,
+        "prefill_s_per_token": fit.prefill_s_per_token,
+        "fit": fit_quality(fit, fit_runs),
+        "heldout": fit_quality(fit, held) if held else None,
+        # How much repeats of one batch differ, (max - min) / median: the noise floor.
+        "repeat_spread_median": float(np.median(spread)) if spread else None,
+        "engine": {"vllm": vllm.__version__, "model_dir": str(model_dir),
+                   "max_model_len": context, "max_num_seqs": args.max_num_seqs,
+                   "dtype": spec.dtype, "cpu_threads": spec.cpu_threads,
+                   "host_cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                   "profile_s": time.perf_counter() - t0},
+        "args": asdict(args),
+        "runs": [{**asdict(s), "wall_s": _group(order, walls)[i]} for i, s in enumerate(specs)],
+    }
+
+
+def _group(order: list[int], walls: list[float]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for i, wall in zip(order, walls):
+        out.setdefault(i, []).append(wall)
+    return out
+
+
+def resolve_cost_file(cost_file: str, model_dir: Path) -> Path | None:
+    """The file `--coord.cost-file` names: None for "", the model's own for "auto"."""
+    if not cost_file:
+        return None
+    path = model_dir / COST_FILE_NAME if cost_file == "auto" else Path(cost_file).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"coord.cost_file={cost_file!r}: {str(path)!r} does not exist; write it with "
+            f"python -m fnrl.policy.profile_cost --model-dir {model_dir} --out {path}")
+    return path
+
+
+def summary_line(record: dict) -> str:
+    fit, held = record["fit"], record["heldout"]
+    line = (f"k1={record['k1']:.3g} k2={record['k2']:.3g} k3={record['k3']:.3g} "
+            f"k4={record['k4']:.3g} (roofline n={record['crossover']:.1f}); fit on "
+            f"{fit['runs']} runs: R²={fit['r2']:.3f}, mean rel. err {fit['mean_relative_error']:.1%}")
+    if held:
+        line += (f"; held-out {held['runs']} runs: R²={held['r2']:.3f}, mean rel. err "
+                 f"{held['mean_relative_error']:.1%}, max {held['max_relative_error']:.1%}")
+    return line
+
+
+def main(args: ProfileArgs) -> dict:
+    if args.model_dir:
+        model_dir = Path(args.model_dir).expanduser()
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"model_dir={args.model_dir!r} has no config.json")
+    else:
+        from fnrl.config import ModelConfig, TaskConfig, WarmStartConfig
+        from fnrl.experiments.warm_start import ensure_default_model
+
+        model_dir = ensure_default_model(ModelConfig(), TaskConfig(), WarmStartConfig())
+    out = Path(args.out).expanduser() if args.out else model_dir / COST_FILE_NAME
+    record = profile(args, model_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)  # a reader never sees half a file
+    print(f"{summary_line(record)}\n-> {out}")
     return record
 
 
 if __name__ == "__main__":
+    import sys
+
     import tyro
 
-    result = main(tyro.cli(ProfileArgs))
-    print(json.dumps({k: result[k] for k in ("k1", "k2", "k3", "k4", "k5", "crossover",
-                                               "mean_relative_error")}))
+    try:
+        main(tyro.cli(ProfileArgs, description=__doc__))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"profile_cost: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 
 class NotAdmissible(ValueError):
@@ -42,6 +43,7 @@ class Entry(NamedTuple):
     gid: int
     version: int      # V of the group (§4.1)
     occupied: bool    # False: reserved
+    seq: int = -1     # occupation order (arrival into the experience buffer); -1: reserved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,7 @@ class StalenessState:
     capacity: int
     v_train: int                                 # version of the next buffer to Consume
     buffers: tuple[tuple[Entry, ...], ...]       # buffers[k] has V_buf = v_train + k
+    next_seq: int = 0                            # `seq` of the next Occupy
 
     def buffer_version(self, k: int) -> int:
         return self.v_train + k
@@ -129,6 +132,7 @@ class _Work:
     def __init__(self, state: StalenessState):
         self.state = state
         self.bufs = [list(b) for b in state.buffers]
+        self.next_seq = state.next_seq
         self._where: dict[int, int] | None = None
 
     @property
@@ -139,7 +143,8 @@ class _Work:
         return self._where
 
     def freeze(self) -> StalenessState:
-        return dataclasses.replace(self.state, buffers=tuple(tuple(b) for b in self.bufs))
+        return dataclasses.replace(self.state, buffers=tuple(tuple(b) for b in self.bufs),
+                                   next_seq=self.next_seq)
 
     def put(self, k: int, entry: Entry) -> None:
         self.bufs[k].append(entry)
@@ -191,7 +196,8 @@ class _Work:
         # Step (4): Occupy greedily at the earliest empty entry (forward scan). It is at or
         # before A's old buffer, so V_A + η ≥ V_buf still holds.
         first = next(j for j, buf in enumerate(self.bufs) if len(buf) < self.state.capacity)
-        self.put(first, Entry(gid, a.version, True))
+        self.put(first, Entry(gid, a.version, True, self.next_seq))
+        self.next_seq += 1
 
     def abort(self, gid: int) -> None:
         k, _ = self.take(gid)
@@ -249,6 +255,56 @@ def abort_many(state: StalenessState, gids: Iterable[int]) -> StalenessState:
 def abort(state: StalenessState, gid: int) -> StalenessState:
     """§4.3 Abort: drop a group's entry, reserved or occupied, for good."""
     return abort_many(state, [gid])
+
+
+def choose_batch(state: StalenessState,
+                 rank: Callable[[tuple[Entry, ...]], Sequence[int]]) -> StalenessState:
+    """Refill a Ready head buffer with the occupied groups `rank` puts first.
+
+    `rank(entries)` orders every occupied entry in the buffers, best first (a sampler of
+    fnrl.data.experience over `seq` and `version`). Any occupied entry may be trained now
+    (V ≤ v_train ≤ V + η), but one leaving the head must land in a later buffer it may
+    live in (V + η ≥ V_buf), in a slot an occupied entry vacated, so every buffer keeps
+    its counts and state. Gap: the paper trains the head as the protocol filled it; we
+    let a sampler choose among every rewarded group (digest: experience buffer, seed
+    000 §3.1). The choice is the greedy basis of a transversal matroid (entries that
+    stay later, chosen worst first while they still fit), so it is the best head the
+    ranking admits, position by position.
+    """
+    if buffer_state(state, 0) is not BufferState.READY:
+        return state
+    cands = [(k, e) for k, buf in enumerate(state.buffers) for e in buf if e.occupied]
+    entries = tuple(e for _, e in cands)
+    order = list(rank(entries))
+    if sorted(order) != list(range(len(entries))):
+        raise ValueError(f"rank returned {order}, not an ordering of {len(entries)} entries")
+    size, eta = state.capacity, state.eta
+    if set(order[:size]) == set(range(size)):   # the head already holds the best groups
+        head = tuple(entries[i] for i in order[:size])
+        return dataclasses.replace(state, buffers=(head,) + state.buffers[1:])
+    # level: the latest later buffer an entry may move to (V + η ≥ v_train + level).
+    level = [min(e.version + eta - state.v_train, eta) for e in entries]
+    slots = [0] + [sum(e.occupied for e in buf) for buf in state.buffers[1:]]
+    slack = list(itertools.accumulate(slots))      # slack[K]: free later slots in 1..K
+    later: list[int] = []
+    for i in reversed(order):
+        if len(later) == len(entries) - size:
+            break
+        if level[i] >= 1 and min(slack[level[i]:]) >= 1:
+            for k in range(level[i], eta + 1):
+                slack[k] -= 1
+            later.append(i)
+    stay = set(later)
+    head = tuple(entries[i] for i in order if i not in stay)
+    assert len(head) == size, "the current placement is feasible, so greedy fills the rest"
+    rank_of = {i: r for r, i in enumerate(order)}
+    queue = sorted(later, key=lambda i: (level[i], rank_of[i]))  # most constrained first
+    bufs, at = [head], 0
+    for k in range(1, eta + 1):
+        bufs.append(tuple(e for e in state.buffers[k] if not e.occupied)
+                    + tuple(entries[i] for i in queue[at:at + slots[k]]))
+        at += slots[k]
+    return dataclasses.replace(state, buffers=tuple(bufs))
 
 
 def consume(state: StalenessState) -> tuple[StalenessState, tuple[Entry, ...]]:

@@ -67,15 +67,17 @@ def run_schedule(cfg, R, G, evs, seed):
 
 
 configs = hst.builds(
-    lambda eta, batch, sync, migrate, repack, balance, timeout: CycleConfig(
+    lambda eta, batch, sync, migrate, repack, balance, timeout, sampler: CycleConfig(
         staleness=st.StalenessConfig(eta=eta, batch_size=batch, stuck_timeout_s=timeout),
         routing=RoutingConfig(sync=sync, migrate=migrate, phi_wait=1), cost=COST,
+        sampler=sampler,
         repack=RepackConfig(batch_bound=6, period_s=0.5) if repack else None,
         balance=BalanceConfig(threshold=0.1) if balance else None),
     eta=hst.integers(0, 2), batch=hst.integers(1, 3),
     sync=hst.sampled_from(["lazy", "greedy", "on_idle"]), migrate=hst.booleans(),
     repack=hst.booleans(), balance=hst.booleans(),
-    timeout=hst.sampled_from([None, None, 2.0]))
+    timeout=hst.sampled_from([None, None, 2.0]),
+    sampler=hst.sampled_from(["fifo", "oldest_version"]))
 
 
 @settings(max_examples=60, deadline=None)
