@@ -35,9 +35,10 @@ import numpy as np
 from tqdm import tqdm
 
 from fnrl.config import RunConfig
-from fnrl.control import wire
+from fnrl.control import journal, wire
 from fnrl.control.metrics import MetricsWriter
 from fnrl.control.roles import Cluster
+from fnrl.control.supervisor import JobRestart, Supervisor
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
 from fnrl.control.workload import forced_length
 from fnrl.data import experience
@@ -45,15 +46,15 @@ from fnrl.data.arith import Problem, PromptStream
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy import schedule
+from fnrl.policy import staleness as st
 from fnrl.policy.routing import SpeculativeState, snapshot_is_valid
-from fnrl.serving.client import RolloutClient
+from fnrl.serving.client import RolloutClient, ServerError
 from fnrl.losses.advantages import informative
 from fnrl.trainer.batching import build_batch
 from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group, Interrupt,
                         Migrate, Pull, Route, Trajectory)
 
 TICK_S = 0.1
-METRICS_POLL_S = 1.0
 
 
 class StalenessViolation(AssertionError):
@@ -72,6 +73,7 @@ class RolloutState:
     evals: set = field(default_factory=set)      # evaluation tasks running here
     streams: set = field(default_factory=set)    # stream tasks placed here, not done
     active_s: float = 0.0             # time with at least one trajectory placed
+    down: bool = False                # failed; being restarted (no routing, no pulls)
     kv_token_s: float = 0.0           # ∫ KV in use dt, for the mean utilization
 
 
@@ -113,13 +115,11 @@ class Controller:
         self.table = TrajectoryTable()
         self.pool = PartialResponsePool(run_dir / "partial_responses.log",
                                         fsync=cfg.coord.pool_fsync)
-        # A restarted controller starts its prompt stream afresh, so partial responses a
-        # previous controller left are not resumed; they are dropped, and counted.
-        self.leftover_partials = len(self.pool)
-        for uid in self.pool.live():
-            self.pool.drop(uid)
-        if self.leftover_partials:
-            self.pool.compact()
+        # What a previous controller of this run left (nothing on a fresh run): recovered
+        # in `_recover` once the schedule exists.
+        self.journal_path = run_dir / "journal.jsonl"
+        self.replayed = journal.replay(self.journal_path, trainer_version=trainer_version)
+        self.journal = journal.Journal(self.journal_path, fsync=cfg.coord.pool_fsync)
         self.plan = schedule.SchedulePlan(
             cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
                                         prompt_groups=cfg.rollout.groups_per_batch),
@@ -132,6 +132,11 @@ class Controller:
         self._t0 = self._last_obs = self._last_step_t = time.perf_counter()
         self._last_train_end = self._t0
         self._eval_s_in_loop = 0.0
+        self._train_durations: list[float] = []
+        self._t0_epoch = time.time()
+        self._restored_version: int | None = None
+        self.trainer_generation = 0
+        self.supervisor = Supervisor(self, cfg.faults)
 
     # --- observe ------------------------------------------------------------------
 
@@ -144,10 +149,12 @@ class Controller:
             trainer_idle=not b.trainer_busy,
             inst_version_R=[r.version for r in self.rollouts],
             inst_kv_prev_R=[r.kv_prev for r in self.rollouts],
-            inst_kv_capacity_R=[r.kv_capacity for r in self.rollouts],
+            # A failed rollout has no room: nothing is routed, migrated or pulled there.
+            inst_kv_capacity_R=[0.0 if r.down else r.kv_capacity for r in self.rollouts],
             inst_num_complete_R=[r.complete for r in self.rollouts],
             waiting_counts=[r.waiting for r in self.rollouts])
         placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(self.rollouts))
+        self.placed = placed
         for r, state in enumerate(self.rollouts):
             state.active_s += dt * bool(placed[r])
             state.kv_token_s += dt * float(snap.inst_kv_used_R[r])
@@ -175,14 +182,18 @@ class Controller:
             await asyncio.gather(*(r.client.generate(probe, n=1, max_tokens=4, temperature=1.0,
                                                      seed=0) for r in self.rollouts))
             self._t0 = self._last_obs = self._last_step_t = time.perf_counter()
+            self._t0_epoch = time.time()
             self.book.time.clear()
+            self.supervisor.start(self.book.steps_done)
             self.state = schedule.init_schedule(
                 self.plan, [r.version for r in self.rollouts], v_train=self.book.trainer_version,
                 steps_done=self.book.steps_done)
-            self._spawn(self._poll_metrics())
+            self._recover()
+            self._spawn(self.supervisor.heartbeats())
             while True:
                 self.cluster.check()
                 snap = self.observe()
+                self.supervisor.tick(self.placed)
                 if schedule.finished(self.state, self.plan, trainer_idle=not self.book.trainer_busy):
                     break
                 pulling = any(r.pull_task is not None for r in self.rollouts)
@@ -205,10 +216,17 @@ class Controller:
             self._eval_s_in_loop = self.book.time["eval_s"]
             await self._shutdown_streams()
             await self._final_eval()
+        except JobRestart as err:
+            # The job runner restarts every role; it needs this attempt's down time.
+            err.stats = {**self.supervisor.ettr(time.perf_counter() - self._t0),
+                         "wall_s": time.perf_counter() - self._t0}
+            raise
         finally:
             for t in self.tasks:
                 t.cancel()
             bar.close()
+            self.supervisor.close()
+            self.journal.close()
             self._trajectory_log.close()
             self.pool.close()
             (self.run_dir / "timeline.json").write_text(json.dumps(self.timeline))
@@ -259,7 +277,9 @@ class Controller:
                         for k in range(self.cfg.algo.group_size)]
                 room = self.seq_len - len(prompt_ids)   # vLLM: prompt + max_tokens ≤ max_model_len
                 lens = [None if n is None else min(n, room) for n in lens]
-                self.table.add_group(problem, prompt_ids, lens)
+                rec = self.table.add_group(problem, prompt_ids, lens)
+                self.journal.write("fill", problem=dataclasses.asdict(problem), lens=lens,
+                                   uids=[self.table.trajs[i].uid for i in rec.tids])
         elif isinstance(cmd, Route):
             for tid in cmd.tids:
                 self._place(self.table.trajs[tid], cmd.rid)
@@ -284,23 +304,31 @@ class Controller:
                 self.pool.drop(t.uid)
             counts["aborted"] += len(cmd.tids)
         elif isinstance(cmd, DropGroups):
+            self.journal.write("drop", groups=[self.table.groups[g].problem.uid for g in cmd.gids])
             self.book.buffer = experience.discard(self.book.buffer, cmd.gids)
             for gid in cmd.gids:
                 self.table.groups[gid].dropped = True
             counts["dropped_groups"] += len(cmd.gids)
         elif isinstance(cmd, Pull):
             rollout = self.rollouts[cmd.rid]
+            if rollout.down:
+                counts["pulls_skipped_down"] += 1   # it pulls the newest when it is back
+                return
             rollout.complete = 0
             # Waits only for tasks issued before it (so no two tasks wait on each other).
             rollout.pull_task = self._spawn(self._pull(cmd.rid, list(rollout.streams),
                                                        list(rollout.evals)))
             counts["pulls"] += 1
         elif isinstance(cmd, Consume):
+            self.journal.write("consume", version=cmd.version,
+                               groups=[self.table.groups[g].problem.uid for g in cmd.gids])
             self.book.trainer_busy = True
             self.book.buffer, batch = self._take(cmd.gids)
             self._spawn(self._train(cmd, batch))
         elif isinstance(cmd, Evaluate):
             rollout = self.rollouts[cmd.rid]
+            if rollout.down:
+                return
             task = self._spawn(self._evaluate(rollout, after=rollout.pull_task))
             rollout.evals.add(task)
             task.add_done_callback(rollout.evals.discard)
@@ -312,7 +340,7 @@ class Controller:
         t.inst, t.started = rid, False
         t.placements += 1
         rollout = self.rollouts[rid]
-        t.task = self._spawn(self._stream(t, rollout, prior=t.task, pull=rollout.pull_task,
+        t.task = self._spawn(self._stream(t, rid, prior=t.task, pull=rollout.pull_task,
                                           evals=list(rollout.evals)))
         rollout.streams.add(t.task)
         t.task.add_done_callback(rollout.streams.discard)
@@ -329,7 +357,43 @@ class Controller:
 
     # --- rollout I/O ----------------------------------------------------------------
 
-    async def _stream(self, t: Tracked, rollout: RolloutState, *, prior, pull, evals) -> None:
+    def _lost(self, rid: int) -> bool:
+        """The rollout failed (known, or its process is gone): its I/O errors are the
+        failure's, and the supervisor moves its work elsewhere."""
+        state = self.rollouts[rid]
+        return state.down or self.cluster.role(f"rollout{rid}").proc.poll() is not None
+
+    def rollout_failed(self, rid: int) -> None:
+        """The supervisor restarts rollout `rid`: every trajectory on it goes back to the
+        trajectory server, its streamed tokens kept in the pool."""
+        rollout = self.rollouts[rid]
+        rollout.down = True
+        on = self.table.on(rid)
+        for t in on:
+            self._unplace(t, rid)
+        rollout.complete, rollout.waiting = 0, 0
+        self.book.counts["fault_interrupted"] += len(on)
+        self.wake.set()
+
+    def trainer_restarted(self, version: int) -> None:
+        self._restored_version = version
+        self.trainer_generation += 1
+
+    def typical_step_s(self) -> float:
+        return float(np.median(self._train_durations[-10:])) if self._train_durations else 0.5
+
+    async def _stream(self, t: Tracked, rid: int, *, prior, pull, evals) -> None:
+        try:
+            await self._stream_once(t, rid, prior=prior, pull=pull, evals=evals)
+        except ServerError:
+            if not self._lost(rid):
+                raise
+            # The rollout died under it: the trajectory stays placed until the supervisor
+            # moves it back to the TS with what was streamed.
+
+    async def _stream_once(self, t: Tracked, rid: int, *, prior, pull, evals) -> None:
+        rollout = self.rollouts[rid]
+        watch = self.supervisor.watches.get(f"rollout{rid}")
         if prior is not None:
             await asyncio.wait([prior])   # the interrupt of its last placement has landed
         if pull is not None:
@@ -361,12 +425,15 @@ class Controller:
                         t.tokens += len(chunk.token_ids)
                         t.started = True
                         self.book.generated_tokens += len(chunk.token_ids)
+                        if watch is not None:
+                            watch.last_progress_s = time.perf_counter() - self._t0
                     if chunk.finish_reason is not None:
                         reason = chunk.finish_reason
                         break
         self.pool.finish(t.uid, reason)
         t.finished = True
         rollout.complete += 1
+        self.supervisor.progressed(f"rollout{rid}")
         self._group_done(t.gid)
         self.wake.set()
 
@@ -391,6 +458,7 @@ class Controller:
             # is dropped like an aborted group, so the staleness buffer frees its entry and
             # the cycle admits another prompt: the batch stays full of informative groups.
             rec.dropped = True
+            self.journal.write("drop", groups=[rec.problem.uid])
             self.table.dropped.append(gid)
             self.book.counts["dynamic_sampling_dropped"] += 1
             return
@@ -405,20 +473,19 @@ class Controller:
         if evals:
             await asyncio.wait(evals)     # an evaluation pins the version it started on
         t0 = time.perf_counter()
-        rollout.version = await rollout.client.pull(self.relay_for(rid))
+        try:
+            rollout.version = await rollout.client.pull(self.relay_for(rid))
+        except ServerError:
+            if not self._lost(rid):
+                raise
+            rollout.pull_task = None   # it pulls the newest when it is back
+            return
         t1 = time.perf_counter()
         self.book.time["pull_s"] += t1 - t0
         self.timeline.append({"t": t1 - self._t0, "event": "pull", "rid": rid,
                               "t0": t0 - self._t0, "version": rollout.version})
         rollout.pull_task = None
         self.wake.set()
-
-    async def _poll_metrics(self) -> None:
-        """vLLM's waiting-queue lengths, for the snapshot's waiting flags."""
-        while True:
-            for r in self.rollouts:
-                r.waiting = int((await r.client.metrics())["vllm:num_requests_waiting"])
-            await asyncio.sleep(METRICS_POLL_S)
 
     async def _evaluate(self, rollout: RolloutState, *, after=None) -> None:
         """Greedy held-out accuracy of the version `rollout` serves (after a pending pull)."""
@@ -434,7 +501,13 @@ class Controller:
             text = self.decode([t for t in c.token_ids if t != self.eos_id])
             return problem.level, self.reward_fn(text, problem.answer)
 
-        results = await asyncio.gather(*(one(p) for p in self.eval_set))
+        try:
+            results = await asyncio.gather(*(one(p) for p in self.eval_set))
+        except ServerError:
+            if not self._lost(self.rollouts.index(rollout)):
+                raise
+            self.book.counts["evals_lost"] += 1   # the rollout failed under it
+            return
         by_level: dict[int, list[float]] = {}
         for level, r in results:
             by_level.setdefault(level, []).append(r)
@@ -464,23 +537,16 @@ class Controller:
                 raise StalenessViolation(f"group {g.problem.uid} has a token of version "
                                          f"{g.version}, too old for buffer {cmd.version} (η={eta})")
         arrays, stats = self.make_batch(groups, b.trainer_version)
-        t0 = time.perf_counter()
-        header = await asyncio.to_thread(self.trainer.call, {"cmd": "train"}, arrays,
-                                         timeout_s=self.cfg.trainer_timeout_s)
+        header, t0 = await self._train_call(cmd.version, arrays)
         t1 = time.perf_counter()
+        self._train_durations.append(t1 - t0)
         b.time["train_call_s"] += t1 - t0
         self._last_train_end = t1
         self.timeline.append({"t": t1 - self._t0, "event": "train", "t0": t0 - self._t0,
                               "version": cmd.version})
         for x in batch:
-            for traj in x.group.trajectories:
-                self.pool.drop(traj.uid)
-            self._trajectory_log.write(json.dumps({
-                "gid": x.gid, "consumed_version": cmd.version,
-                "tids": list(self.table.groups[x.gid].tids),
-                "trajectories": [{"uid": tr.uid, "segments": [[s.version, len(s.token_ids)]
-                                                              for s in tr.segments]}
-                                 for tr in x.group.trajectories]}) + "\n")
+            self._log_consumed(x.group.problem.uid, cmd.version, x.group.trajectories)
+        self.journal.write("trained", version=cmd.version)
         b.trainer_version = header["version"]
         b.steps_done += 1
         b.trained_tokens += stats["tokens"]
@@ -488,6 +554,111 @@ class Controller:
         b.trainer_busy = False
         self._log_step(header["metrics"], {**stats, "staleness_bound_ok": True, "eta": eta})
         self.wake.set()
+
+    def _log_consumed(self, name: str, version: int, trajectories, **extra) -> None:
+        """Accounting by id: one line per consumed group, then its tokens leave the pool."""
+        self._trajectory_log.write(json.dumps({
+            "group": name, "consumed_version": version, **extra,
+            "trajectories": [{"uid": tr.uid, "segments": [[s.version, len(s.token_ids)]
+                                                          for s in tr.segments]}
+                             for tr in trajectories]}) + "\n")
+        for tr in trajectories:
+            self.pool.drop(tr.uid)
+
+    def _recover(self) -> None:
+        """Rebuilds what a previous controller of this run left (journal + pool): the
+        prompt cursor, consumption the trainer applied unseen, and every outstanding group
+        with its streamed tokens. A group with tokens keeps its staleness reservation at
+        V = its oldest token's version (finished groups are rewarded again and wait in the
+        experience buffer); one whose tokens are now too old for the bound (V + η below the
+        trainer's version) restarts from its prompt, and the discarded tokens are counted."""
+        rp = self.replayed
+        if not rp.groups:
+            return
+        eta = self.cfg.coord.eta
+        counts = self.book.counts
+        self.prompts.take(rp.prompts_taken)   # the stream is deterministic: skip what was taken
+        members = {g.problem["uid"]: g.uids for g in rp.groups}
+        for version, names in rp.unlogged:
+            for name in names:
+                trajs = [self.pool.get(u) for u in members[name] if u in self.pool]
+                self._log_consumed(name, version, trajs, recovered=True)
+            self.journal.write("trained", version=version)
+        for g in rp.groups:   # consumed or dropped: nothing of them stays in the pool
+            if g.problem["uid"] in rp.consumed | rp.dropped:
+                for uid in g.uids:
+                    if uid in self.pool:
+                        self.pool.drop(uid)
+        admissions, finished = [], []
+        for g in rp.outstanding():
+            problem = Problem(**g.problem)
+            rec = self.table.add_group(problem, tuple(self.encode(problem.prompt)),
+                                       list(g.target_lens))
+            items = [self.pool.get(u) if u in self.pool else None for u in g.uids]
+            versions = [s.version for it in items if it for s in it.segments if s.token_ids]
+            if not versions:
+                for it, tid in zip(items, rec.tids):
+                    if it is not None:
+                        self.pool.drop(it.uid)
+                continue
+            v_group = min(versions)
+            if v_group + eta < self.book.trainer_version:
+                for it in items:
+                    if it is not None:
+                        counts["recovery_discarded_tokens"] += it.num_tokens
+                        self.pool.drop(it.uid)
+                continue
+            for it, tid in zip(items, rec.tids):
+                if it is not None:
+                    t = self.table.trajs[tid]
+                    t.tokens = it.num_tokens
+                    t.finished = it.finish_reason is not None
+            admissions.append((rec.gid, v_group))
+            if all(it is not None and it.finish_reason is not None for it in items):
+                finished.append(rec.gid)
+        cycle = self.state.cycle
+        self.state = dataclasses.replace(self.state, cycle=dataclasses.replace(
+            cycle, staleness=st.reserve_many(cycle.staleness, admissions)))
+        for gid in finished:
+            self._group_done(gid)
+        counts["recovered_groups"] += len(admissions)
+        counts["recovered_trajectories"] += sum(
+            1 for gid, _ in admissions for tid in self.table.groups[gid].tids
+            if self.table.trajs[tid].tokens)
+        self._bar.write(f"recovered from the journal: {rp.prompts_taken} prompts taken, "
+                        f"{len(rp.consumed)} groups consumed, {len(admissions)} in flight "
+                        f"({len(finished)} finished), "
+                        f"{counts['recovery_discarded_tokens']} stale tokens discarded")
+
+    async def _train_call(self, version: int, arrays) -> tuple[dict, float]:
+        """Trains version → version + 1 on `arrays`. If the trainer fails during the step,
+        waits for the supervisor to restart it from its newest checkpoint, then sends the
+        same batch again, unless that checkpoint already holds this step (the trainer
+        died after saving it): the step is then taken as done, without its metrics."""
+        sup = self.supervisor
+        while True:
+            generation = self.trainer_generation
+            sup.train_started(version + 1)
+            t0 = time.perf_counter()
+            trainer = self.trainer
+            try:
+                header = await asyncio.to_thread(trainer.call, {"cmd": "train"}, arrays,
+                                                 timeout_s=self.cfg.trainer_timeout_s)
+                sup.train_returned()
+                return header, t0
+            except wire.RoleError as err:
+                sup.trainer_raised(err, trainer)
+                self.book.counts["train_retries"] += 1
+            while self.trainer_generation == generation:   # the supervisor restarts it
+                await asyncio.sleep(0.05)
+            restored = self._restored_version
+            if restored == version + 1:
+                self.book.counts["steps_recovered_from_checkpoint"] += 1
+                sup.train_returned()
+                return {"version": restored, "metrics": {"recovered_from_checkpoint": 1.0}}, t0
+            if restored != version:
+                raise StalenessViolation(f"the restarted trainer resumed at version {restored}, "
+                                         f"but the batch in flight trains version {version}")
 
     def make_batch(self, groups: tuple[Group, ...], trainer_version: int):
         """Arrays for one train step (length buckets, packing and micro-batches per the
@@ -551,6 +722,7 @@ class Controller:
         # RL time: from the first cycle to the last step's return, evaluations excluded.
         train_wall = max(self._last_train_end - self._t0 - self._eval_s_in_loop, 1e-9)
         return {"steps": b.steps_done, "version": b.trainer_version, "last_eval": b.last_eval,
+                **self.supervisor.ettr(wall),
                 "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
                 "train_wall_s": train_wall, "trained_tokens": b.trained_tokens,
                 "trained_tokens_per_s": b.trained_tokens / train_wall,
@@ -561,5 +733,7 @@ class Controller:
 # Counters every preset reports, so runs compare key for key.
 COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
               "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
-              "dynamic_sampling_dropped",
-              "unfinished_at_end")
+              "dynamic_sampling_dropped", "unfinished_at_end",
+              "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
+              "pulls_skipped_down", "evals_lost", "recovered_groups",
+              "recovered_trajectories", "recovery_discarded_tokens")

@@ -101,15 +101,26 @@ def plot_timeline(run_dir: Path) -> Path | None:
             top.step(t, running[:, r], where="post", lw=1, label=f"rollout {r}")
         top.legend(loc="upper right", fontsize=8)
     top.set(title="trajectories placed per rollout", ylabel="trajectories")
-    lanes = 1 + max([e.get("rid", -1) for e in events] + [-1]) + 1
-    for e in events:
+    work = [e for e in events if e["event"] in ("train", "pull")]
+    # Role outages (fault, detection, restart), drawn on the lane of the role.
+    outages = [e for e in events if e["event"] == "fault:recovered"
+               and (e["role"] == "trainer" or e["role"].startswith("rollout"))]
+    rids = [e["rid"] for e in work if "rid" in e] + \
+        [int(e["role"].removeprefix("rollout")) for e in outages if e["role"] != "trainer"]
+    lanes = 1 + max(rids + [-1]) + 1
+    for e in work:
         lane = 0 if e["event"] == "train" else 1 + e["rid"]
         color = "tab:red" if e["event"] == "train" else "tab:blue"
         bottom.barh(lane, e["t"] - e["t0"], left=e["t0"], color=color, height=0.6)
         if e["event"] == "train":
             bottom.text(e["t0"], lane, f"v{e['version']}", fontsize=6, va="center")
-    bottom.set_yticks(range(lanes), ["train"] + [f"pull r{r}" for r in range(lanes - 1)])
-    bottom.set(xlabel="seconds since the first cycle", title="train steps (red), pulls (blue)")
+    for e in outages:
+        lane = 0 if e["role"] == "trainer" else 1 + int(e["role"].removeprefix("rollout"))
+        bottom.barh(lane, e["down_s"], left=e["t"] - e["down_s"], color="0.3", hatch="//",
+                    height=0.6, alpha=0.6)
+    bottom.set_yticks(range(lanes), ["train"] + [f"rollout {r}" for r in range(lanes - 1)])
+    bottom.set(xlabel="seconds since the first cycle",
+               title="train steps (red), pulls (blue), role down after a fault (grey)")
     fig.tight_layout()
     out = run_dir / "timeline.png"
     fig.savefig(out, dpi=100)

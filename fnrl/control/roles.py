@@ -1,18 +1,23 @@
-"""Starting, watching and stopping the role processes of one job.
+"""Starting, watching, restarting and stopping the role processes of one job.
 
-Each role is a child process with its own log file in the run directory. `check`
-raises a RoleError naming the first role that exited, with the tail of its log, so
-the controller fails with that role's error instead of hanging.
+Each role is a child process with its own log file in the run directory, in its own
+session (a SIGINT to the controller's terminal does not reach it; the controller stops
+roles in order), and killed by the kernel if the controller dies (PR_SET_PDEATHSIG), so
+a crashed controller never leaves roles behind. The trainer and the rollouts are
+watched by the supervisor (fnrl.control.supervisor), which restarts them; `check`
+raises a RoleError naming any other role that exited, with the tail of its log.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +36,22 @@ class RoleProcess:
     address: str
 
 
+SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal here
+
+
+def die_with_parent() -> None:
+    """`preexec_fn`: the kernel SIGKILLs this child when the thread that forked it ends.
+    Roles are spawned from the controller's main thread, so that is the controller."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _spawn(name: str, argv: list[str], log_path: Path, address: str) -> RoleProcess:
-    log = open(log_path, "ab")
-    # A new session per role: a SIGINT to the controller's terminal does not reach the
-    # roles directly; the controller stops them in order.
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                preexec_fn=die_with_parent)
     return RoleProcess(name, proc, log_path, address)
 
 
@@ -48,10 +63,13 @@ class Cluster:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.roles: list[RoleProcess] = []
         self.relay_tier: RelayTier | None = None
+        self._trainer_argv: tuple[Path, Path, str] | None = None
+        self._server_specs: dict[int, ServerSpec] = {}
 
     def _add(self, role: RoleProcess) -> RoleProcess:
-        """Registers a role and records every pid in roles.json (for operators and tests)."""
-        self.roles.append(role)
+        """Registers a role (replacing one of the same name) and records every pid in
+        roles.json (for operators and tests)."""
+        self.roles = [r for r in self.roles if r.name != role.name] + [role]
         (self.run_dir / "roles.json").write_text(json.dumps(
             {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path)}
              for r in self.roles}, indent=2))
@@ -81,7 +99,31 @@ class Cluster:
         self.relay_tier.start_monitor()
         return self.relay_tier
 
+    def role(self, name: str) -> RoleProcess:
+        return next(r for r in self.roles if r.name == name)
+
+    def kill(self, name: str, *, wait: bool = True) -> None:
+        """SIGKILL a role's process group (a fault, injected or decided)."""
+        proc = self.role(name).proc
+        _signal_group(proc, signal.SIGKILL)
+        if wait:
+            proc.wait()
+
+    def restart_trainer(self) -> RoleProcess:
+        """A new trainer process with the first one's arguments, publishing to the relays
+        alive now (master first)."""
+        config_path, model_dir, relay = self._trainer_argv
+        if self.relay_tier is not None:
+            relay = ",".join(self.relay_tier.addresses)
+        return self.start_trainer(config_path, model_dir, relay)
+
+    def restart_server(self, rid: int) -> RoleProcess:
+        """A new vLLM server for rollout `rid`, on a fresh port."""
+        spec = dataclasses.replace(self._server_specs[rid], port=free_port())
+        return self.start_server(rid, spec)
+
     def start_trainer(self, config_path: Path, model_dir: Path, relay: str) -> RoleProcess:
+        self._trainer_argv = (config_path, model_dir, relay)
         address = f"tcp://127.0.0.1:{free_port()}"
         role = _spawn("trainer", [sys.executable, "-m", "fnrl.trainer.role", "--config",
                                   str(config_path), "--model-dir", str(model_dir), "--run-dir",
@@ -90,8 +132,9 @@ class Cluster:
         return self._add(role)
 
     def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:
+        self._server_specs[rid] = spec
         log_path = self.run_dir / "logs" / f"rollout{rid}.log"
-        proc = launch_server(spec, log_path)
+        proc = launch_server(spec, log_path, preexec_fn=die_with_parent)
         role = RoleProcess(f"rollout{rid}", proc, log_path, f"http://{spec.host}:{spec.port}")
         return self._add(role)
 
@@ -113,6 +156,8 @@ class Cluster:
         tier = self.relay_tier
         for role in self.roles:
             code = role.proc.poll()
+            if role.name.startswith(SUPERVISED):
+                continue
             if code is not None and tier is not None and role.name in tier.members \
                     and len(tier.plan.order) > 1:
                 continue  # the tier's monitor splices a dead relay out of the chain

@@ -103,7 +103,8 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-def launch_server(spec: ServerSpec, log_path: str | os.PathLike) -> subprocess.Popen:
+def launch_server(spec: ServerSpec, log_path: str | os.PathLike, *,
+                  preexec_fn=None) -> subprocess.Popen:
     """Start the server in its own process group; stdout and stderr go to `log_path`.
 
     Stop it with `stop_server`, which ends the whole group (vLLM's engine core is a
@@ -117,6 +118,7 @@ def launch_server(spec: ServerSpec, log_path: str | os.PathLike) -> subprocess.P
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     proc.fnrl_log_path = Path(log_path)  # for wait_ready's error messages
     return proc

@@ -53,7 +53,7 @@ def check_run(run_dir, eta, steps):
     assert len(consumed) == steps * 4
     uids = [t["uid"] for g in consumed for t in g["trajectories"]]
     assert len(uids) == len(set(uids)) == steps * 4 * GROUP_SIZE      # none twice
-    assert len({g["gid"] for g in consumed}) == len(consumed)
+    assert len({g["group"] for g in consumed}) == len(consumed)
     for g in consumed:
         for t in g["trajectories"]:
             versions = [v for v, _ in t["segments"]]

@@ -1,0 +1,97 @@
+"""The controller's journal: what a restarted controller needs to lose nothing.
+
+An append-only JSON-lines file in the run directory, written before the action it
+records takes effect:
+  fill     a group entered the job: its problem, member uids and forced lengths
+           (the prompt cursor is the number of fill records);
+  drop     groups discarded for good (aborted, or uninformative under DAPO sampling);
+  consume  a batch is sent to the trainer to train version → version + 1;
+  trained  the trainer returned that step.
+Together with the partial response pool (every streamed token and log-prob) and the
+trainer's newest checkpoint, `replay` rebuilds the controller's state: which groups
+are outstanding, which were consumed, and how far the prompt stream had gone. A
+`consume` without `trained` was applied exactly when the restored trainer's version is
+past it (the trainer checkpoints a step before it answers), so no batch is trained
+twice or lost. A torn last line (a crash mid-write) is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class FilledGroup:
+    problem: dict            # the Problem's fields
+    uids: tuple[str, ...]
+    target_lens: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class Replayed:
+    groups: tuple[FilledGroup, ...] = ()                # in fill order
+    consumed: frozenset[str] = frozenset()              # problem uids of trained groups
+    dropped: frozenset[str] = frozenset()
+    unlogged: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(version, problem uids) of batches the trainer applied but whose return the
+    controller never saw: their consumption must still be logged."""
+
+    @property
+    def prompts_taken(self) -> int:
+        return len(self.groups)
+
+    def outstanding(self) -> list[FilledGroup]:
+        done = self.consumed | self.dropped
+        return [g for g in self.groups if g.problem["uid"] not in done]
+
+
+def replay(path: Path, *, trainer_version: int) -> Replayed:
+    """The journal's state, given the version the trainer restored."""
+    if not path.exists():
+        return Replayed()
+    groups: list[FilledGroup] = []
+    consumed: set[str] = set()
+    dropped: set[str] = set()
+    pending: dict[int, tuple[str, ...]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            break   # a torn tail: the action it recorded never happened
+        ev = r["ev"]
+        if ev == "fill":
+            groups.append(FilledGroup(r["problem"], tuple(r["uids"]), tuple(r["lens"])))
+        elif ev == "drop":
+            dropped.update(r["groups"])
+        elif ev == "consume":
+            pending[r["version"]] = tuple(r["groups"])
+        elif ev == "trained":
+            consumed.update(pending.pop(r["version"], ()))
+    unlogged = []
+    for version, names in sorted(pending.items()):
+        if version < trainer_version:   # the restored checkpoint holds this step
+            consumed.update(names)
+            unlogged.append((version, names))
+    return Replayed(tuple(groups), frozenset(consumed), frozenset(dropped), tuple(unlogged))
+
+
+@dataclass
+class Journal:
+    path: Path
+    fsync: bool = False
+    _f: object = field(init=False, default=None)
+
+    def __post_init__(self):
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, ev: str, **fields) -> None:
+        self._f.write(json.dumps({"ev": ev, **fields}) + "\n")
+        if self.fsync:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
