@@ -107,3 +107,7 @@ class PromptStream:
             if p.prompt not in self._held_out:
                 out.append(p)
         return out
+
+    def skip(self, n: int) -> None:
+        """Moves on as if `take(n)` had been called (a restarted controller catching up)."""
+        self.take(n)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
+import numpy as np
 from math_verify import parse, verify
 
 
@@ -28,6 +30,20 @@ def math_reward(response: str, gold: str) -> float:
     return 1.0 if ok else 0.0
 
 
-def checked_reward(value: float) -> float | None:
-    """The reward if finite, else None: a non-finite reward marks a trajectory invalid."""
-    return float(value) if math.isfinite(value) else None
+def checked_reward(value: Any) -> float | None:
+    """The reward as a float if it is a finite real number, else None.
+
+    None marks the trajectory invalid: it trains nothing and the rest of its group
+    still does. A reward function that returns NaN, ±inf, None or a non-scalar says
+    it could not score the response; that must not reach the advantages.
+    """
+    if isinstance(value, (str, bytes)):
+        return None   # numpy would parse "1.0"; a string is not a score
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    if array.shape != ():
+        return None
+    reward = float(array)
+    return reward if math.isfinite(reward) else None

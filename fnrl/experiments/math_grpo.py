@@ -38,7 +38,8 @@ from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.roles import Cluster
 from fnrl.control.wire import RoleClient, RoleError
-from fnrl.data.arith import BOS, EOS, PAD, PromptStream, eval_problems
+from fnrl.data.arith import BOS, EOS, PAD
+from fnrl.data.dataset import load_task
 from fnrl.data.reward import math_reward
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.warm_start import ensure_default_model
@@ -112,12 +113,12 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
                           tier: RelayTier, model_dir: Path, trainer_version: int) -> dict:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
-    eval_set = eval_problems(cfg.task.seed, cfg.task.num_eval, cfg.task.min_level,
-                             cfg.task.max_level)
-    prompts = PromptStream(cfg.task.seed + cfg.seed, cfg.task.min_level, cfg.task.max_level,
-                           held_out=frozenset(p.prompt for p in eval_set))
+    encode = lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids  # noqa: E731
     urls = [r.address for r in cluster.roles if r.name.startswith("rollout")]
     max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    # A prompt must leave vLLM room for max_new_tokens within the model's length.
+    prompts, eval_set = load_task(cfg.task, seed=cfg.seed, prompt_tokens=lambda s: len(encode(s)),
+                                  prompt_budget=max_len - cfg.algo.max_new_tokens, run_dir=run_dir)
     # Idle connections close on our side before uvicorn's 5 s keep-alive closes them on
     # the server's, so a request never goes out on a socket the server is closing.
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
@@ -126,7 +127,7 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
         controller = Controller(
             cfg, cluster=cluster, trainer=trainer, relay_for=tier.local_address,
             rollouts=clients, prompts=prompts, eval_set=eval_set,
-            encode=lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids,
+            encode=encode,
             decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos, pad_id=pad,
             seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version,
             run_dir=run_dir)

@@ -43,7 +43,9 @@ def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> Qw
 
 
 def default_model_dir(model: ModelConfig, task: TaskConfig, warm: WarmStartConfig) -> Path:
-    recipe = {"v": _RECIPE_VERSION, "model": to_dict(model), "task": to_dict(task),
+    # Only the synthetic task's fields shape the warm start; a dataset path does not.
+    synthetic = {k: getattr(task, k) for k in ("seed", "num_eval", "min_level", "max_level")}
+    recipe = {"v": _RECIPE_VERSION, "model": to_dict(model), "task": synthetic,
               "warm_start": {k: v for k, v in to_dict(warm).items() if k != "cache_dir"}}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     return Path(warm.cache_dir).expanduser() / f"tiny-qwen2-math-{digest}"

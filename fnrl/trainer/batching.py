@@ -4,7 +4,9 @@
                                trainer=cfg.trainer, seq_len=seq_len, pad_id=pad_id)
 
 A sample is anything with `prompt_ids`, `response_ids`, `logprobs` (μ, one per
-response token), `versions` and `reward` (None = invalid): `fnrl.types.Trajectory`.
+response token), `versions` and `reward`: `fnrl.types.Trajectory`. A sample whose
+reward is None or non-finite, or whose log-probs are not all finite, is invalid: it
+keeps its place but has mask 0, advantage 0 and no say in its group's baseline.
 
 Shapes are static per length bucket, so the jitted step compiles at most once per
 bucket. Two layouts:
@@ -30,6 +32,12 @@ from fnrl.losses.core import ADVANTAGES
 Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward
 
 
+def is_valid(s: Sample) -> bool:
+    """Whether a sample may train: a finite reward and finite behaviour log-probs."""
+    return (s.reward is not None and bool(np.isfinite(s.reward))
+            and bool(np.isfinite(np.asarray(s.logprobs, np.float64)).all()))
+
+
 def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
                      ) -> tuple[list[np.ndarray], dict[str, float]]:
     """Per-sequence advantages by group, after DAPO overlong shaping of the rewards."""
@@ -38,7 +46,7 @@ def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
     lengths = np.zeros_like(rewards)
     for gi, group in enumerate(groups):
         for si, s in enumerate(group):
-            rewards[gi, si] = np.nan if s.reward is None else s.reward
+            rewards[gi, si] = s.reward if is_valid(s) else np.nan
             lengths[gi, si] = len(s.response_ids)
     raw = rewards.copy()
     if algo.overlong_buffer > 0:
@@ -48,6 +56,7 @@ def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
     adv = ADVANTAGES[algo.advantage](rewards, algo.adv_eps)
     any_valid = bool(np.isfinite(raw).any())
     info = {"reward_mean": float(np.nanmean(raw)) if any_valid else float("nan"),
+            "invalid_samples": int(sum(not is_valid(s) for g in groups for s in g)),
             "zero_variance_groups": sum(not informative(g) for g in raw.tolist()),
             "overlong_penalty_mean": float(np.nanmean(rewards - raw))
             if any_valid else 0.0}
@@ -131,7 +140,7 @@ def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer
     """Arrays for one train step from whole groups, plus host-side facts about them.
 
     seq_len is the longest next-token length the model takes (used when there are no
-    length buckets). Invalid samples (reward None) stay in the batch with mask 0.
+    length buckets). Invalid samples (`is_valid`) stay in the batch with mask 0.
     """
     adv_by_group, info = group_advantages(groups, algo)
     samples = [s for g in groups for s in g]
@@ -180,9 +189,11 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[st
         span = slice(start, start + n)
         input_[row, span], target[row, span] = tokens[:-1], tokens[1:]
         response = slice(start + plen - 1, start + n)
-        # An invalid sample keeps its place (shapes stay static) but trains nothing.
-        mask[row, response] = 0.0 if s.reward is None else 1.0
-        behaviour[row, response] = np.asarray(s.logprobs, np.float32)
+        # An invalid sample keeps its place (shapes stay static) but trains nothing; its
+        # log-probs are left at 0, since a NaN times mask 0 is still NaN in the loss.
+        if is_valid(s):
+            mask[row, response] = 1.0
+            behaviour[row, response] = np.asarray(s.logprobs, np.float32)
         adv_BxT[row, response], adv_B[row] = a, a
         segment[row, span] = next_segment[row]
         positions[row, span] = np.arange(n)

@@ -38,7 +38,8 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
         optax.clip_by_global_norm(algo.max_grad_norm),
         optax.adamw(algo.learning_rate, b1=0.9, b2=0.999, weight_decay=algo.weight_decay),
     )
-    # apply_if_finite leaves params and moments untouched when loss or grads are NaN/Inf.
+    # apply_if_finite leaves params and moments untouched when the gradients are NaN/Inf
+    # (train_step also checks the loss, and keeps its counters unchanged too).
     return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
 
 
@@ -160,8 +161,13 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    # A skipped step keeps the whole state bit for bit. apply_if_finite alone would not:
+    # it looks at the gradients only (not the loss) and counts the failure in its state.
+    keep = functools.partial(jnp.where, finite)   # keep(new, old)
     new_state = dataclasses.replace(
-        state, step=state.step + finite.astype(jnp.int32), params=params, opt_state=opt_state)
+        state, step=state.step + finite.astype(jnp.int32),
+        params=jax.tree.map(keep, params, state.params),
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state))
     # Telemetry on the whole batch: trainer π (before the update) against vLLM's μ.
     metrics = dict(metrics, **mismatch_metrics(logp_BxT, batch), grad_norm=optax.tree.norm(grads),
                    update_skipped=1.0 - finite.astype(jnp.float32))

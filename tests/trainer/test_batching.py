@@ -57,8 +57,10 @@ def test_default_layout_matches_pack_sequences():
         np.testing.assert_array_equal(arrays[key], ref[key])
     valid = np.array([s.reward is not None for s in samples], np.float32)
     np.testing.assert_array_equal(arrays["mask_BxT"], ref["mask_BxT"] * valid[:, None])
+    # An invalid sample ships no log-probs: a NaN there would survive its mask of 0.
     np.testing.assert_allclose(arrays["behaviour_logp_BxT"], scatter_response(
-        [s.logprobs for s in samples], [len(s.prompt_ids) for s in samples], 16))
+        [s.logprobs if s.reward is not None else (0.0,) * len(s.logprobs) for s in samples],
+        [len(s.prompt_ids) for s in samples], 16))
     assert arrays["adv_B"][4] == 0.0 and info["rows"] == 16 and info["length"] == 16
 
 
@@ -152,3 +154,35 @@ def test_at_most_one_compilation_per_length_bucket(model):
     buckets = set(lengths)
     assert len(buckets) >= 2, lengths  # the test must exercise several buckets
     assert len(traces) == len(buckets) == step._cache_size(), (traces, lengths)
+
+
+def _with_bad_samples(groups):
+    """Group 2: a NaN reward, a NaN behaviour log-prob, then rewards 1 and 0.
+    Group 3: an infinite reward first."""
+    g2, g3 = list(groups[2]), list(groups[3])
+    seg = g2[1].segments[0]
+    g2 = [dataclasses.replace(g2[0], reward=float("nan")),
+          dataclasses.replace(g2[1], segments=(dataclasses.replace(
+              seg, logprobs=(float("nan"),) + seg.logprobs[1:]),)),
+          dataclasses.replace(g2[2], reward=1.0), dataclasses.replace(g2[3], reward=0.0)]
+    g3[0] = dataclasses.replace(g3[0], reward=float("inf"))
+    return [*groups[:2], g2, g3]
+
+
+def test_non_finite_reward_or_logprob_invalidates_only_that_sample(model):
+    groups = _with_bad_samples(_groups(invalid=False))
+    arrays, info = build_batch(groups, algo=ALGO, trainer=TrainerConfig(), seq_len=16, pad_id=0)
+    assert info["invalid_samples"] == 3 and np.isfinite(info["reward_mean"])
+    bad = [8, 9, 12]   # one sample per row, in group order
+    assert arrays["mask_BxT"][bad].sum() == 0 and not arrays["adv_B"][bad].any()
+    assert np.isfinite(arrays["behaviour_logp_BxT"]).all()
+    # The rest of group 2 still trains, on a baseline from its valid samples only.
+    assert (arrays["mask_BxT"][[10, 11]].sum(axis=1) > 0).all()
+    np.testing.assert_allclose(arrays["adv_B"][[10, 11]], [1.0, -1.0], rtol=1e-5)
+    # The update equals the one from the batch without the bad samples: they add nothing.
+    clean = [*groups[:2], groups[2][2:], groups[3][1:]]
+    ref, ref_info = build_batch(clean, algo=ALGO, trainer=TrainerConfig(), seq_len=16, pad_id=0)
+    assert ref_info["invalid_samples"] == 0 and ref_info["tokens"] == info["tokens"]
+    state, metrics = _step(model, ALGO)(arrays)
+    assert float(metrics["update_skipped"]) == 0.0
+    _assert_same_update((state, metrics), _step(model, ALGO)(ref))

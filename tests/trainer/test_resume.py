@@ -10,19 +10,10 @@ from fnrl.control.roles import Cluster
 from fnrl.control.wire import RoleClient
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import open_version
-from fnrl.trainer.step import pack_sequences, scatter_response
+
+from toy_batch import toy_batch
 
 pytestmark = pytest.mark.slow
-
-
-def _batch(seq_len: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    prompts = [tuple(rng.integers(3, 20, 5)) for _ in range(8)]
-    responses = [tuple(rng.integers(3, 20, 4)) for _ in range(8)]
-    out = pack_sequences(prompts, responses, seq_len, pad_id=0)
-    out["behaviour_logp_BxT"] = scatter_response([(-3.0,) * 4] * 8, [5] * 8, seq_len)
-    out["adv_B"] = rng.standard_normal(8).astype(np.float32)
-    return out
 
 
 def _relay_weights(address: str) -> dict[str, np.ndarray]:
@@ -47,7 +38,7 @@ def test_kill_and_resume_continues_at_the_right_step_with_identical_params(
         cluster.wait_relay_ready(relay_a)
         role, trainer, init = _start_trainer(cluster, cfg_path, tiny_model_dir, relay_a)
         assert init["version"] == 0 and init["resumed_from"] is None
-        batch = _batch(seq_len=16)
+        batch = toy_batch(seq_len=16)
         for expected in (1, 2):
             reply = trainer.call({"cmd": "train"}, batch, timeout_s=300)
             assert reply["version"] == expected

@@ -51,10 +51,32 @@ def test_step_ascends_advantage_weighted_likelihood(setup):
     assert float(metrics["logp_abs_diff"]) < 1e-5
 
 
-def test_non_finite_loss_skips_update_and_keeps_params(setup):
+def _bad_batches(batch):
+    """Batches whose loss is NaN: a NaN advantage; a NaN behaviour log-prob on a trained
+    token; a NaN behaviour log-prob on a masked token (NaN · 0 is still NaN)."""
+    masked = np.asarray(batch["mask_BxT"]) == 0
+    nan_on_mask = np.where(masked, np.nan, np.asarray(batch["behaviour_logp_BxT"]))
+    return {"adv": dict(batch, adv_B=jnp.array([jnp.nan, 1.0])),
+            "behaviour": dict(batch, behaviour_logp_BxT=batch["behaviour_logp_BxT"].at[0, 3].set(
+                jnp.nan)),
+            "behaviour_masked": dict(batch, behaviour_logp_BxT=jnp.asarray(nan_on_mask))}
+
+
+@pytest.mark.parametrize("which", ["adv", "behaviour", "behaviour_masked"])
+def test_non_finite_loss_skips_update_and_keeps_state_bit_identical(setup, which):
     graphdef, params, opt, step, batch = setup
-    bad = dict(batch, adv_B=jnp.array([jnp.nan, 1.0]))
-    state0 = init_state(params, opt)
-    state, metrics = step(state0, bad)
-    assert float(metrics["update_skipped"]) == 1.0 and int(state.step) == 0
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), state.params, params)
+    # One good step first, so the Adam moments are not all zero.
+    state0, _ = step(init_state(params, opt), batch)
+    before = jax.tree.map(np.array, state0)
+    state, metrics = step(state0, _bad_batches(batch)[which])
+    assert not np.isfinite(float(metrics["loss"]))
+    assert float(metrics["update_skipped"]) == 1.0 and int(state.step) == 1
+    # Parameters and every leaf of the optimizer state, bit for bit.
+    changed = [jax.tree_util.keystr(path) for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(state))
+        if a.dtype != b.dtype or a.tobytes() != np.asarray(b).tobytes()]
+    assert not changed, changed
+    # The next good batch trains as if the bad one had never come.
+    after_bad, _ = step(state, batch)
+    direct, _ = step(jax.tree.map(jnp.asarray, before), batch)
+    jax.tree.map(np.testing.assert_array_equal, after_bad, direct)
