@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from fnrl.data.experience import SAMPLERS
 from fnrl.policy.balance import BalanceConfig
+from fnrl.policy.faults import FaultConfig
 from fnrl.policy.repack import RepackConfig
 from fnrl.policy.routing import CostModel, RoutingConfig
 from fnrl.relay.config import RelayConfig
@@ -362,6 +363,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     coord: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self):
         _positive(self, "steps", "eval_every", "trainer_timeout_s")

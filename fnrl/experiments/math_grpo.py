@@ -37,6 +37,7 @@ from fnrl.config import RunConfig, save_json
 from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.roles import Cluster
+from fnrl.control.supervisor import JobRestart
 from fnrl.control.wire import RoleClient, RoleError
 from fnrl.data.arith import BOS, EOS, PAD
 from fnrl.data.dataset import load_task
@@ -135,18 +136,60 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
         for rid, (c, state) in enumerate(zip(clients, controller.rollouts)):
             state.version = await c.pull(tier.local_address(rid)) if trainer_version > 0 else 0
         try:
-            return await controller.run()
+            summary = await controller.run()
+            # The trainer running now: the supervisor may have replaced the first one.
+            controller.trainer.call({"cmd": "shutdown"}, timeout_s=120)
+            return summary
         finally:
             controller.writer.close()
 
 
 def run(cfg: RunConfig) -> dict:
-    """Runs the whole job and returns its summary; raises RoleError if a role dies."""
+    """Runs the whole job and returns its summary; raises RoleError if a role dies for
+    good. A failure the supervisor escalates (fnrl.policy.faults) restarts every role
+    from the newest checkpoint and the controller's journal, up to
+    `faults.max_job_restarts` times; the summary's `ettr` then counts every role as down
+    from each such failure until the restarted job's loop runs again."""
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
     if cost_path is not None:  # the fitted model with its measurements, beside the run
         shutil.copyfile(cost_path, run_dir / COST_FILE_NAME)
+    attempts: list[dict] = []
+    while True:
+        try:
+            summary = _run_once(cfg, model_dir, run_dir)
+            break
+        except JobRestart as err:
+            attempts.append({**err.stats, "restart_from": time.time()})
+            if len(attempts) > cfg.faults.max_job_restarts:
+                raise RoleError(f"gave up after {len(attempts) - 1} job restart(s): {err}") from err
+            print(f"fnrl: restarting the job from its checkpoint: {err}", file=sys.stderr,
+                  flush=True)
+    if attempts:
+        summary.update(job_ettr(attempts, summary))
+    plot_run(run_dir)
+    plot_timeline(run_dir)
+    summary["run_dir"] = str(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def job_ettr(attempts: list[dict], last: dict) -> dict:
+    """ETTR over every attempt of a job that restarted: each attempt's own role down
+    time, plus every role down from a failure until the next attempt's loop started."""
+    units = last["ettr_units"]
+    starts = [a["loop_start"] for a in attempts[1:]] + [last["loop_start"]]
+    gaps = [start - a["restart_from"] for a, start in zip(attempts, starts)]
+    wall = sum(a["wall_s"] for a in attempts) + sum(gaps) + last["wall_s"]
+    down = sum(a["role_down_s"] for a in attempts) + units * sum(gaps) + last["role_down_s"]
+    return {"ettr": 1.0 - down / (units * wall), "job_restarts": len(attempts),
+            "job_restart_s": gaps, "wall_s_all_attempts": wall,
+            "failures": sum(a["failures"] for a in attempts) + last["failures"]}
+
+
+def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path) -> dict:
+    """Starts every role, runs the controller to the end (or a JobRestart), stops them."""
     cluster = Cluster(run_dir)
     try:
         max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
@@ -169,16 +212,10 @@ def run(cfg: RunConfig) -> dict:
         cluster.wait_servers_ready(cfg.rollout.start_timeout_s)
         print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
               flush=True)
-        summary = asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, tier, model_dir,
-                                              init["version"]))
-        trainer.call({"cmd": "shutdown"}, timeout_s=120)
+        return asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, tier, model_dir,
+                                           init["version"]))
     finally:
         cluster.stop()
-    plot_run(run_dir)
-    plot_timeline(run_dir)
-    summary["run_dir"] = str(run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _preset_name(argv: list[str]) -> str:

@@ -58,11 +58,15 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     assert json.loads((run_dir / "config.json").read_text())["preset"] == preset
 
 
-def test_a_killed_trainer_ends_the_job_with_its_error(tmp_path, cache_dir):
+def test_a_failure_the_job_may_not_survive_ends_it_with_the_error(tmp_path, cache_dir):
+    # With no job restarts allowed and every failure escalated to the job, a killed
+    # trainer ends the run with its error (tests/experiments/test_faults_e2e.py has the
+    # runs that survive).
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fnrl.experiments.math_grpo", "--steps", "1000", "--run-dir",
-         str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+         str(run_dir), "--warm-start.cache-dir", cache_dir, "--faults.policy", "job",
+         "--faults.max-job-restarts", "0", *SMALL],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -75,7 +79,7 @@ def test_a_killed_trainer_ends_the_job_with_its_error(tmp_path, cache_dir):
         os.kill(roles["trainer"]["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1
-        assert "trainer exited with code -9" in err
+        assert "gave up after 0 job restart(s): trainer process exited with code -9" in err
     finally:
         if proc.poll() is None:
             proc.kill()
