@@ -133,6 +133,7 @@ class Controller:
         self._last_train_end = self._t0
         self._eval_s_in_loop = 0.0
         self._train_durations: list[float] = []
+        self._batch_shapes: set = set()
         self._t0_epoch = time.time()
         self._restored_version: int | None = None
         self.trainer_generation = 0
@@ -437,6 +438,17 @@ class Controller:
         self._group_done(t.gid)
         self.wake.set()
 
+    def _reward(self, text: str, gold: str) -> float | None:
+        """The verifier's reward, or None (the trajectory is invalid, and counted) when it
+        raises or returns something non-finite: one bad answer never ends the job."""
+        try:
+            return checked_reward(self.reward_fn(text, gold))
+        except Exception as err:  # noqa: BLE001 - any verifier failure marks the sample
+            self.book.counts["reward_errors"] += 1
+            if self.book.counts["reward_errors"] <= 3:
+                self._bar.write(f"reward function raised on {text!r}: {type(err).__name__}: {err}")
+            return None
+
     def _group_done(self, gid: int) -> None:
         """Rewards a group whose members have all finished, into the experience buffer."""
         rec = self.table.groups[gid]
@@ -448,7 +460,7 @@ class Controller:
             item = self.pool.get(m.uid)
             ids = [tok for s in item.segments for tok in s.token_ids]
             answer = ids[:ids.index(self.eos_id)] if self.eos_id in ids else ids
-            reward = checked_reward(self.reward_fn(self.decode(answer), rec.problem.answer))
+            reward = self._reward(self.decode(answer), rec.problem.answer)
             self.book.invalid_trajectories += reward is None
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids,
                                     segments=item.segments, finish_reason=item.finish_reason,
@@ -499,7 +511,8 @@ class Controller:
                 self.encode(problem.prompt), n=1, max_tokens=self.cfg.algo.max_new_tokens,
                 temperature=0.0, seed=0, stop_token_ids=[self.eos_id])
             text = self.decode([t for t in c.token_ids if t != self.eos_id])
-            return problem.level, self.reward_fn(text, problem.answer)
+            reward = self._reward(text, problem.answer)
+            return problem.level, 0.0 if reward is None else reward
 
         try:
             results = await asyncio.gather(*(one(p) for p in self.eval_set))
@@ -577,7 +590,7 @@ class Controller:
             return
         eta = self.cfg.coord.eta
         counts = self.book.counts
-        self.prompts.take(rp.prompts_taken)   # the stream is deterministic: skip what was taken
+        self.prompts.skip(rp.prompts_taken)   # the stream is deterministic: skip what was taken
         members = {g.problem["uid"]: g.uids for g in rp.groups}
         for version, names in rp.unlogged:
             for name in names:
@@ -645,6 +658,10 @@ class Controller:
                 header = await asyncio.to_thread(trainer.call, {"cmd": "train"}, arrays,
                                                  timeout_s=self.cfg.trainer_timeout_s)
                 sup.train_returned()
+                shape = tuple(sorted((k, v.shape) for k, v in arrays.items()))
+                if shape not in self._batch_shapes:
+                    self._batch_shapes.add(shape)
+                    self._spawn(sup.warm_standby())
                 return header, t0
             except wire.RoleError as err:
                 sup.trainer_raised(err, trainer)
@@ -671,6 +688,7 @@ class Controller:
         staleness = trainer_version - versions
         stats = {
             "reward_mean": info["reward_mean"],
+            "invalid_samples": info["invalid_samples"],
             "tokens": info["tokens"],
             "zero_variance_groups": info["zero_variance_groups"],
             "batch_length": info["length"],
@@ -736,4 +754,4 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
               "dynamic_sampling_dropped", "unfinished_at_end",
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
               "pulls_skipped_down", "evals_lost", "recovered_groups",
-              "recovered_trajectories", "recovery_discarded_tokens")
+              "recovered_trajectories", "recovery_discarded_tokens", "reward_errors")

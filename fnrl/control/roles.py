@@ -109,26 +109,33 @@ class Cluster:
         if wait:
             proc.wait()
 
-    def restart_trainer(self) -> RoleProcess:
+    def restart_trainer(self, name: str = "trainer") -> RoleProcess:
         """A new trainer process with the first one's arguments, publishing to the relays
-        alive now (master first)."""
+        alive now (master first); `name="trainer_standby"` starts a warm spare."""
         config_path, model_dir, relay = self._trainer_argv
         if self.relay_tier is not None:
             relay = ",".join(self.relay_tier.addresses)
-        return self.start_trainer(config_path, model_dir, relay)
+        return self.start_trainer(config_path, model_dir, relay, name=name)
+
+    def promote(self, name: str, as_name: str) -> RoleProcess:
+        """The role `name` becomes `as_name` (a standby taking over a dead role's place)."""
+        role = dataclasses.replace(self.role(name), name=as_name)
+        self.roles = [r for r in self.roles if r.name != name]
+        return self._add(role)
 
     def restart_server(self, rid: int) -> RoleProcess:
         """A new vLLM server for rollout `rid`, on a fresh port."""
         spec = dataclasses.replace(self._server_specs[rid], port=free_port())
         return self.start_server(rid, spec)
 
-    def start_trainer(self, config_path: Path, model_dir: Path, relay: str) -> RoleProcess:
+    def start_trainer(self, config_path: Path, model_dir: Path, relay: str, *,
+                      name: str = "trainer") -> RoleProcess:
         self._trainer_argv = (config_path, model_dir, relay)
         address = f"tcp://127.0.0.1:{free_port()}"
-        role = _spawn("trainer", [sys.executable, "-m", "fnrl.trainer.role", "--config",
+        role = _spawn(name, [sys.executable, "-m", "fnrl.trainer.role", "--config",
                                   str(config_path), "--model-dir", str(model_dir), "--run-dir",
                                   str(self.run_dir), "--address", address, "--relay", relay],
-                      self.run_dir / "logs" / "trainer.log", address)
+                      self.run_dir / "logs" / f"{name}.log", address)
         return self._add(role)
 
     def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:

@@ -82,6 +82,9 @@ class Supervisor:
     outages: list[Outage] = field(default_factory=list)
     injections: tuple[F.Injection, ...] = ()
     pending_kills: dict[str, float] = field(default_factory=dict)   # role -> injected kill time
+    standby: wire.RoleClient | None = None    # a spare trainer (warming up, or ready)
+    standby_ready: bool = False
+    _warming: bool = False
     _rng: np.random.Generator | None = None
     _injected: set = field(default_factory=set)
     _log = None
@@ -114,6 +117,8 @@ class Supervisor:
             self.watches[name] = Watch(last_progress_s=now, last_heartbeat_s=now)
             self.history = F.role_started(self.history, name, step)
         self.history = F.FaultHistory(job_step=step, started_at=self.history.started_at)
+        if self.cfg.trainer_standby:
+            self.ctl._spawn(self.start_standby())
 
     def record(self, event: str, **fields) -> None:
         self._log.write(json.dumps({"t": self.now(), "event": event, **fields}) + "\n")
@@ -199,7 +204,7 @@ class Supervisor:
             self.ctl.rollout_failed(rid)
             self.ctl._spawn(self._restart_rollout(rid))
 
-    def _ready(self, role: str) -> None:
+    def _ready(self, role: str, **extra) -> None:
         w = self.watches[role]
         now = self.now()
         w.restarting = False
@@ -208,7 +213,7 @@ class Supervisor:
         outage = next(o for o in reversed(self.outages) if o.role == role and o.ready_s is None)
         outage.ready_s = now
         self.record("recovered", role=role, down_s=now - outage.start_s,
-                    since_detected_s=now - outage.detected_s)
+                    since_detected_s=now - outage.detected_s, **extra)
         self.ctl.wake.set()
 
     async def _retry(self, role: str, attempt) -> bool:
@@ -228,31 +233,78 @@ class Supervisor:
         ctl = self.ctl
 
         async def attempt():
-            role = ctl.cluster.restart_trainer()
-            client = wire.RoleClient("trainer", role.address, role.proc, str(role.log_path))
-            init = await asyncio.to_thread(client.call, {"cmd": "init"},
-                                           timeout_s=ctl.cfg.trainer_timeout_s)
+            # A spare still warming up is taken too: it is ahead of a process started now.
+            standby, ready = self.standby, self.standby_ready
+            self.standby, self.standby_ready = None, False
+            if standby is not None and standby.proc.poll() is None:
+                role = ctl.cluster.promote("trainer_standby", "trainer")
+                client = wire.RoleClient("trainer", role.address, role.proc, str(role.log_path))
+                if ready:   # (a socket still waiting for its reply is left to its thread)
+                    standby.close()
+                cmd = {"cmd": "takeover"}
+            else:
+                role = ctl.cluster.restart_trainer()
+                client = wire.RoleClient("trainer", role.address, role.proc, str(role.log_path))
+                cmd = {"cmd": "init"}
+            init = await asyncio.to_thread(client.call, cmd, timeout_s=ctl.cfg.trainer_timeout_s)
             ctl.trainer = client
             ctl.trainer_restarted(init["version"])
+            self.record("trainer_started", how=cmd["cmd"], version=init["version"])
 
         await self._retry("trainer", attempt)
         self._ready("trainer")
+        if self.cfg.trainer_standby:
+            ctl._spawn(self.start_standby())
+
+    async def warm_standby(self) -> None:
+        """The trainer saw a new batch shape: the spare compiles it too."""
+        standby = self.standby
+        if standby is None or not self.standby_ready or self._warming:
+            return
+        self._warming = True
+        try:
+            await asyncio.to_thread(standby.call, {"cmd": "warm"},
+                                    timeout_s=self.ctl.cfg.trainer_timeout_s)
+        except wire.RoleError:
+            pass   # it is checked for life at takeover
+        finally:
+            self._warming = False
+
+    async def start_standby(self) -> None:
+        """Starts a warm spare trainer in the background (RobustRL's warm standby)."""
+        role = self.ctl.cluster.restart_trainer(name="trainer_standby")
+        client = wire.RoleClient("trainer_standby", role.address, role.proc, str(role.log_path))
+        self.standby, self.standby_ready = client, False
+        try:
+            reply = await asyncio.to_thread(client.call, {"cmd": "standby"},
+                                            timeout_s=self.ctl.cfg.trainer_timeout_s)
+        except wire.RoleError as err:
+            if self.standby is client:   # no spare: a failure restarts from scratch
+                self.standby = None
+                self.record("standby_failed", error=str(err)[:2000])
+            return
+        if self.standby is client:      # not taken over while it warmed up
+            self.standby_ready = True
+            self.record("standby_ready", warmed_shapes=reply["warmed"])
 
     async def _restart_rollout(self, rid: int) -> None:
         ctl = self.ctl
         state = ctl.rollouts[rid]
 
+        started = {}
+
         async def attempt():
             role = ctl.cluster.restart_server(rid)
-            await asyncio.to_thread(wait_ready, role.address, role.proc,
-                                    ctl.cfg.rollout.start_timeout_s)
+            started["s"] = await asyncio.to_thread(wait_ready, role.address, role.proc,
+                                                   ctl.cfg.rollout.start_timeout_s)
             old = state.client
             state.client = RolloutClient(role.address, old.session, timeout_s=old.timeout_s)
             state.version = await state.client.pull(ctl.relay_for(rid))
 
         await self._retry(f"rollout{rid}", attempt)
         state.down = False
-        self._ready(f"rollout{rid}")
+        # Recovery = the server's own start time + moving its work + the weight pull.
+        self._ready(f"rollout{rid}", server_start_s=started["s"])
 
     # --- heartbeats -------------------------------------------------------------------
 
@@ -301,10 +353,25 @@ class Supervisor:
         if inj.role.startswith("relay"):
             self.ctl.cluster.kill(inj.role, wait=False)
             self.record("inject", role=inj.role, step=step)
+            await self._time_chain_repair(inj.role)
             return
         self.pending_kills[inj.role] = self.now()
         self.record("inject", role=inj.role, step=step)
         self.ctl.cluster.kill(inj.role, wait=False)
+
+    async def _time_chain_repair(self, relay: str) -> None:
+        """Records how long the relay tier took to splice a killed relay out of the chain
+        and tell the survivors their new places (or elect a new master)."""
+        tier = self.ctl.cluster.relay_tier
+        if tier is None:
+            return
+        t0 = time.perf_counter()
+        while relay in tier.plan.order or tier.configured_epoch < tier.plan.epoch:
+            if time.perf_counter() - t0 > 60:
+                return
+            await asyncio.sleep(0.005)
+        self.record("chain_repaired", role=relay, repair_s=time.perf_counter() - t0,
+                    chain=list(tier.plan.order), master=tier.plan.order[0] if tier.plan.order else None)
 
     # --- effective training time ratio ------------------------------------------------
 

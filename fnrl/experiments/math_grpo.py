@@ -137,8 +137,12 @@ async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, train
             state.version = await c.pull(tier.local_address(rid)) if trainer_version > 0 else 0
         try:
             summary = await controller.run()
-            # The trainer running now: the supervisor may have replaced the first one.
-            controller.trainer.call({"cmd": "shutdown"}, timeout_s=120)
+            # The trainer running now (the supervisor may have replaced the first one).
+            # Every step is checkpointed already: a trainer that dies here loses nothing.
+            try:
+                controller.trainer.call({"cmd": "shutdown"}, timeout_s=120)
+            except RoleError as err:
+                print(f"fnrl: the trainer did not shut down cleanly: {err}", file=sys.stderr)
             return summary
         finally:
             controller.writer.close()

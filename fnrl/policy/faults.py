@@ -62,6 +62,10 @@ class FaultConfig:
     """Failed restarts of one role that are retried before the job restarts (paper: 1)."""
     max_job_restarts: int = 3
     """Whole-job restarts before the run gives up with the last failure's error."""
+    trainer_standby: bool = False
+    """Keep a warm spare trainer (built, compiled, waiting) that takes over a failed
+    trainer by restoring the newest checkpoint: RobustRL's warm standby (§3.2, a borrowed
+    rollout machine), at the cost of a second trainer's memory."""
     inject: tuple[str, ...] = ()
     """Fault injection, each `ROLE:every=N[:at=K][:phase=train|generate]`: SIGKILL the
     role (trainer, rollout<i>, relay<i>, controller) at step K, K+N, ... (K defaults to N)

@@ -43,6 +43,7 @@ class RelayTier:
         self.plan = chain_policy.ChainPlan(
             order=chain_policy.plan_chain([m.name for m in members], None), epoch=0)
         self._misses = {m.name: 0 for m in members}
+        self.configured_epoch = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -134,6 +135,7 @@ class RelayTier:
             self.plan = plan
             if plan.order:
                 self.configure()
+            self.configured_epoch = plan.epoch   # survivors have their new places
             return True
 
     def start_monitor(self) -> None:

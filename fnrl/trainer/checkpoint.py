@@ -7,6 +7,7 @@ finished ones.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +15,27 @@ import jax
 import orbax.checkpoint as ocp
 
 
+_SCAN_ATTEMPTS = 5
+
+
 class Checkpointer:
     """A thin owner of an Orbax CheckpointManager (lives only in the trainer process)."""
 
     def __init__(self, directory: Path, *, max_to_keep: int = 2, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True),
-        )
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+        # The manager scans the steps on creation. A warm standby scans while the live
+        # trainer commits a step and deletes the oldest: a step can vanish mid-scan
+        # (Orbax then fails on its missing metadata). Scan again: the race is short.
+        for attempt in range(_SCAN_ATTEMPTS):
+            try:
+                self._manager = ocp.CheckpointManager(self.directory, options=options)
+                break
+            except Exception:  # noqa: BLE001 - Orbax raises several kinds here
+                if attempt == _SCAN_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()

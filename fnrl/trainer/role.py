@@ -31,6 +31,9 @@ from fnrl.trainer.checkpoint import Checkpointer
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 
 
+BATCH_SPECS = "batch_specs.json"
+
+
 class Trainer:
     """Holds the jitted step, the state and the checkpointer; no sockets."""
 
@@ -47,12 +50,13 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.algo)
         # Initialising under jit lets XLA place the Adam moments like their parameters.
         state = jax.jit(lambda p: init_state(p, self.optimizer))(params)
-        self.checkpoints = Checkpointer(run_dir / "checkpoints")
-        self.resumed_from = None
-        if cfg.resume and self.checkpoints.latest_step() is not None:
-            state, _ = self.checkpoints.restore(state)
-            self.resumed_from = int(state.step)
+        self.run_dir = run_dir
+        self._seen_specs: set[str] = set()
+        self._warmed: set[str] = set()
         self.state = state
+        self.resumed_from = None
+        self.checkpoints = Checkpointer(run_dir / "checkpoints")
+        self.restore_latest()
         state_sh = jax.tree.map(lambda x: x.sharding, state)
         self._step = compile_train_step(
             self.graphdef, self.optimizer, cfg.algo, state_sh, batch_sharding(self.mesh),
@@ -62,6 +66,46 @@ class Trainer:
     @property
     def version(self) -> int:
         return int(self.state.step)
+
+    def restore_latest(self, *, rescan: bool = False) -> None:
+        """Loads the newest finished checkpoint (if resuming and there is one). A warm
+        standby calls it again at takeover, with a manager that rescans the directory
+        (another trainer has been writing to it)."""
+        if rescan:
+            self.checkpoints.close()
+            self.checkpoints = Checkpointer(self.run_dir / "checkpoints")
+        if self.cfg.resume and self.checkpoints.latest_step() is not None:
+            self.state, _ = self.checkpoints.restore(self.state)
+            self.resumed_from = int(self.state.step)
+
+    def warm_up(self) -> int:
+        """Compiles (or loads from the compilation cache) the step for every batch shape
+        a trainer of this run has seen, on zeros, and throws the result away: the step is
+        pure, so the state is untouched. A standby then trains its first batch at once."""
+        path = self.run_dir / BATCH_SPECS
+        specs = json.loads(path.read_text()) if path.exists() else []
+        for spec in specs:
+            key = json.dumps(spec)
+            if key in self._warmed:
+                continue
+            batch = {k: np.zeros(shape, dtype) for k, (shape, dtype) in spec.items()}
+            jax.block_until_ready(self._step(self.state, batch, self.ref_params))
+            self._warmed.add(key)
+        return len(self._warmed)
+
+    def note_batch_spec(self, batch: dict[str, np.ndarray]) -> None:
+        """Records a new batch shape for `warm_up` (atomically: a reader never sees half)."""
+        spec = {k: [list(v.shape), str(v.dtype)] for k, v in sorted(batch.items())}
+        key = json.dumps(spec)
+        if key in self._seen_specs:
+            return
+        self._seen_specs.add(key)
+        path = self.run_dir / BATCH_SPECS
+        specs = json.loads(path.read_text()) if path.exists() else []
+        if spec not in specs:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(specs + [spec]))
+            os.replace(tmp, path)
 
     def hf_weights(self) -> dict[str, np.ndarray]:
         return params_to_hf(self.model_cfg, jax.device_get(self.state.params))
@@ -109,14 +153,24 @@ def serve(args: argparse.Namespace) -> None:
         header, arrays = wire.decode(sock.recv_multipart(copy=False))
         try:
             cmd = header["cmd"]
-            if cmd == "init":
-                trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
+            if cmd in ("standby", "warm"):
+                # A warm spare: built, restored and compiled, waiting for `takeover`;
+                # `warm` compiles batch shapes seen since.
+                if trainer is None:
+                    trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
+                wire.send(sock, {"warmed": trainer.warm_up()})
+            elif cmd in ("init", "takeover"):
+                if trainer is None:
+                    trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
+                else:
+                    trainer.restore_latest(rescan=True)
                 latest = relay.latest()
                 if latest is None or latest.version < trainer.version:
                     # Visible before the reply: rollouts pull right after a resume.
                     relay.publish(trainer.version, trainer.hf_weights(), wait="visible")
                 wire.send(sock, {"version": trainer.version, "resumed_from": trainer.resumed_from})
             elif cmd == "train":
+                trainer.note_batch_spec(arrays)
                 metrics, weights = trainer.train(arrays)
                 t0 = time.perf_counter()
                 if weights is not None:

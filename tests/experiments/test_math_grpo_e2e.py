@@ -12,18 +12,9 @@ import pytest
 from fnrl.control.metrics import read_metrics
 from fnrl.experiments.math_grpo import main
 
+from e2e_args import SMALL
+
 pytestmark = pytest.mark.slow
-
-SMALL = ["--warm-start.steps", "20", "--model.hidden-size", "64", "--model.intermediate-size",
-         "128", "--model.num-hidden-layers", "2", "--model.num-attention-heads", "2",
-         "--model.num-key-value-heads", "1", "--task.num-eval", "16",
-         "--algo.groups-per-step", "4", "--rollout.groups-per-batch", "4"]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("model_cache"))
-
 
 @pytest.mark.parametrize("preset", ["laminar", "sync"])
 def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, preset):

@@ -11,21 +11,16 @@ import pytest
 from fnrl.control.metrics import read_metrics
 from fnrl.experiments.math_grpo import main
 
+from e2e_args import SMALL
+
 pytestmark = pytest.mark.slow
 
 # A long-tailed workload (forced lognormal lengths) so generation spans train steps.
-SMALL = ["--warm-start.steps", "20", "--model.hidden-size", "64", "--model.intermediate-size",
-         "128", "--model.num-hidden-layers", "2", "--model.num-attention-heads", "2",
-         "--model.num-key-value-heads", "1", "--model.max-position-embeddings", "128",
-         "--task.num-eval", "16", "--algo.groups-per-step", "4", "--rollout.groups-per-batch",
-         "4", "--rollout.response-len", "lognormal", "--rollout.len-median", "16",
-         "--rollout.len-max", "96", "--algo.max-new-tokens", "96", "--eval-every", "100"]
+# A long-tailed workload (forced lognormal lengths) so generation spans train steps.
+LONG_TAIL = [*SMALL, "--model.max-position-embeddings", "128", "--rollout.response-len",
+             "lognormal", "--rollout.len-median", "16", "--rollout.len-max", "96",
+             "--algo.max-new-tokens", "96", "--eval-every", "100"]
 GROUP_SIZE = 8
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("model_cache"))
 
 
 def pool_records(path):
@@ -75,7 +70,7 @@ def check_run(run_dir, eta, steps):
 def test_fnrl_routes_over_two_rollouts_within_the_bound(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     assert main(["--preset", "fnrl", "--steps", "4", "--run-dir", str(run_dir),
-                 "--rollout.num-servers", "2", "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
+                 "--rollout.num-servers", "2", "--warm-start.cache-dir", cache_dir, *LONG_TAIL]) == 0
     consumed, summary = check_run(run_dir, eta=2, steps=4)
     assert summary["routed"] >= 4 * 4 * GROUP_SIZE
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
@@ -89,7 +84,7 @@ def test_partial_rollout_continues_interrupted_trajectories_on_new_versions(tmp_
     longer = ["--rollout.len-median", "60", "--rollout.len-max", "120", "--algo.max-new-tokens",
               "120"]
     assert main(["--preset", "partial_rollout", "--steps", "7", "--run-dir", str(run_dir),
-                 "--warm-start.cache-dir", cache_dir, *SMALL, *longer]) == 0
+                 "--warm-start.cache-dir", cache_dir, *LONG_TAIL, *longer]) == 0
     consumed, summary = check_run(run_dir, eta=2, steps=7)
     assert summary["interrupted"] > 0 and summary["continued"] > 0
     multi = [t for g in consumed for t in g["trajectories"] if len(t["segments"]) > 1]

@@ -9,13 +9,9 @@ import pytest
 from fnrl.control.metrics import read_metrics
 from fnrl.experiments.math_grpo import main
 
+from e2e_args import SMALL
+
 pytestmark = pytest.mark.slow
-
-SMALL = ["--warm-start.steps", "20", "--model.hidden-size", "64", "--model.intermediate-size",
-         "128", "--model.num-hidden-layers", "2", "--model.num-attention-heads", "2",
-         "--model.num-key-value-heads", "1", "--task.num-eval", "16",
-         "--algo.groups-per-step", "4", "--rollout.groups-per-batch", "4"]
-
 
 def loaded_versions(log: str) -> list[tuple[int, str]]:
     """(version, relay address) of every version the rollout's worker loaded."""
@@ -26,10 +22,10 @@ def visible_versions(log: str) -> set[int]:
     return {int(v) for v in re.findall(r"version (\d+) visible", log)}
 
 
-def test_each_rollout_pulls_from_its_own_relay(tmp_path):
+def test_each_rollout_pulls_from_its_own_relay(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     assert main(["--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
-                 "--warm-start.cache-dir", str(tmp_path / "cache"), "--rollout.num-servers", "2",
+                 "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
                  "--relay.num-relays", "2", *SMALL]) == 0
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
