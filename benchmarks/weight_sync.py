@@ -6,7 +6,10 @@ For each weight size it prints, beside its reference:
   1. the trainer's stall per publish (hand-off to the master relay through shared memory)
      against one memory copy of the same bytes (goal <= 1.5x);
   2. the chain broadcast time to p = 1..max_p relays on this host, T(p)/T(1) (goal <= 1.5),
-     beside the prediction of Laminar's Appendix C cost model fitted on this host;
+     beside the prediction of Laminar's Appendix C cost model fitted on this host, and
+     beside the CPU time all relays used meanwhile: p + 1 relays sharing this host's cores
+     cannot broadcast faster than that CPU time over the number of cores (on separate
+     hosts, as in Laminar, each relay has its own);
   3. a rollout's pull-to-serving time (ask the local relay, map the version, copy it into
      preallocated serving parameters as vLLM's reload does) against one memory copy
      (goal <= 3x).
@@ -17,7 +20,7 @@ Configurations that would not fit in 70% of the available memory are skipped and
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -62,6 +65,12 @@ def available_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_spares(addresses: list[str], timeout_s: float = 120.0) -> None:
@@ -113,8 +122,9 @@ def stall_and_pull(size: int, log_dir: str) -> dict:
         tier.stop()
 
 
-def broadcast(size: int, max_p: int, log_dir: str, t_start: float | None) -> list[float]:
-    """T(p) for p = 1..max_p: from the end of the hand-off to the last relay verified."""
+def broadcast(size: int, max_p: int, log_dir: str) -> list[tuple[float, float]]:
+    """(T(p), CPU seconds all p + 1 relays used meanwhile) for p = 1..max_p; T runs from
+    the end of the hand-off to the last relay verified."""
     cfg = RelayConfig(num_relays=max_p + 1, keep_versions=1, inbox_slots=1)
     tier = RelayTier.launch(cfg, log_dir, prefix=f"bb{size // MIB}r")
     names = list(tier.plan.order)
@@ -122,18 +132,24 @@ def broadcast(size: int, max_p: int, log_dir: str, t_start: float | None) -> lis
     times = []
     try:
         master = RelayClient(tier.master.address, timeout_s=120)
-        version = 0
+        # A first version through the whole chain: a relay's first version faults its
+        # pages in (it has no spare segment yet), a one-off cost that is not broadcast's.
+        master.publish(0, src, wait="held")
+        with RelayClient(tier.addresses[-1], timeout_s=120) as last:
+            last.wait_version(0, timeout_s=300)
+        version = 1
         for p in range(1, max_p + 1):
             tier.plan = ChainPlan(order=tuple(names[: p + 1]), epoch=p)
             tier.configure()
             tail = RelayClient(tier.members[names[p]].address, timeout_s=120)
-            best = float("inf")
-            for _ in range(2 if size <= 128 * MIB else 1):
+            pids = [tier.members[n].proc.pid for n in names[: p + 1]]
+            best = (float("inf"), 0.0)
+            for _ in range(2 if size <= 512 * MIB else 1):
                 wait_spares(tier.addresses)
                 master.publish(version, src, wait="held")
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), sum(map(cpu_seconds, pids))
                 tail.wait_version(version, timeout_s=300)
-                best = min(best, time.perf_counter() - t)
+                best = min(best, (time.perf_counter() - t, sum(map(cpu_seconds, pids)) - cpu))
                 version += 1
             times.append(best)
             tail.close()
@@ -155,11 +171,12 @@ def main() -> None:
     parser.add_argument("--max-p", type=int, default=8)
     args = parser.parse_args()
     chunk = RelayConfig().chunk_bytes
+    cores = len(os.sched_getaffinity(0))
     log_dir = tempfile.mkdtemp(prefix="fnrl-weight-sync-")
     print(f"# relay logs in {log_dir}; chunk {chunk // MIB} MiB; UCX over shared memory/CMA")
 
     # T_start of the cost model: a one-chunk, 64 KiB version through one hop.
-    t_start = broadcast(64 * 1024, 1, log_dir, None)[0]
+    t_start = broadcast(64 * 1024, 1, log_dir)[0][0]
     print(f"# fitted T_start = {t_start * 1e3:.2f} ms (64 KiB, one hop)\n")
 
     print("## 1. trainer stall per publish vs one memcpy (goal <= 1.5x)  and"
@@ -179,24 +196,35 @@ def main() -> None:
 
     print("\n## 2. broadcast to p relays: measured T(p), T(p)/T(1) (goal <= 1.5), "
           "Laminar App. C model")
+    print(f"# best of 2 runs (1 above 512 MB); relay CPU: CPU time of all p + 1 relays during "
+          f"T(p);\n# CPU/cores: the least T(p) can be with them sharing {cores} cores; /T(1): "
+          f"that floor over T(1)")
     for mb in args.sizes_mb:
         size = mb * MIB
-        max_p = args.max_p
-        while max_p > 0 and size * (2 * max_p + 4) > available_bytes() * 0.7:
+        max_p, budget = args.max_p, available_bytes() * 0.7
+        while max_p > 0 and size * (2 * max_p + 4) > budget:
             max_p -= 1
         if max_p == 0:
-            print(f"{mb:>6}MB  skipped (memory)")
+            print(f"{mb:>6}MB  skipped (memory: even p = 1 needs ~{6 * mb} MB, 70% of "
+                  f"available is {budget / MIB:.0f} MB)")
             continue
-        times = broadcast(size, max_p, log_dir, t_start)
+        measured = broadcast(size, max_p, log_dir)
+        times = [t for t, _ in measured]
         k = max(1, -(-size // chunk))
         t_byte = max(times[0] - k * t_start, 1e-9) / size  # fitted on T(1)
         print(f"{mb}MB ({k} chunks): fitted T_byte = {1 / t_byte / 1e9:.2f} GB/s per hop"
-              + ("" if max_p == args.max_p else f"; p > {max_p} skipped (memory)"))
-        print(f"{'p':>4} {'T(p)':>9} {'T(p)/T(1)':>9} {'model':>9} {'model/T1':>9}")
-        for p, t in enumerate(times, start=1):
+              + ("" if max_p == args.max_p else
+                 f"; p > {max_p} skipped (memory: p relays hold (2p + 4) x {mb} MB, a version "
+                 f"and a spare each plus the master's inbox and the source; p = {max_p + 1} "
+                 f"needs {(2 * max_p + 6) * mb} MB, 70% of available is {budget / MIB:.0f} MB)"))
+        print(f"{'p':>4} {'T(p)':>9} {'T(p)/T(1)':>9} {'model':>9} {'model/T1':>9} "
+              f"{'relay CPU':>9} {'CPU/cores':>9} {'/T(1)':>6}")
+        for p, (t, cpu) in enumerate(measured, start=1):
             model = laminar_model(p, size, chunk, t_byte, t_start)
             print(f"{p:>4} {t * 1e3:>7.1f}ms {t / times[0]:>8.2f}x {model * 1e3:>7.1f}ms "
-                  f"{model / laminar_model(1, size, chunk, t_byte, t_start):>8.2f}x", flush=True)
+                  f"{model / laminar_model(1, size, chunk, t_byte, t_start):>8.2f}x "
+                  f"{cpu * 1e3:>7.0f}ms {cpu / cores * 1e3:>7.0f}ms {cpu / cores / times[0]:>5.2f}x",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,9 @@ one raw-bytes frame per tensor. Every reply is one JSON frame, `{"ok": true, ...
 shared-memory slot it keeps mapped, so its stall is one memory copy plus two messages;
 "held" answers at once, the relay then copies the slot into the version's own segment.
 
-Data (UCX, between relays): each relay forwards versions to its downstream neighbour in
-chunks, chunk i as soon as it holds and has verified it, while chunk i+1 still arrives.
-A transfer is one session with a random 40-bit id; every message is tagged
-`session << 24 | kind` (the preamble, on tag 1, is the only fixed tag), so messages of
-an abandoned session can never land in a later one:
-
-    upstream -> downstream   tag 1            [session, header length]  (uint64 x 2)
-                             HEADER           JSON {"layout", "reply_to", "sender"}
-                             SUM + 2i         xxh3-64 of chunk i        (uint64)
-                             DATA + 2i        chunk i, received straight into the segment
-    downstream -> upstream   NEED             NEED or HAVE (it already holds v or newer)
-                             DONE             DONE_OK or DONE_BAD, once v is verified
+Data (UCX, between relays): `fnrl.relay.data_plane` streams each version down the
+chain in pipelined, checksummed chunks; a version becomes visible here only once every
+chunk is written and verified.
 """
 
 from __future__ import annotations
@@ -45,7 +36,6 @@ import json
 import logging
 import mmap
 import os
-import random
 import re
 import signal
 from collections.abc import Sequence
@@ -57,6 +47,7 @@ import zmq.asyncio
 
 from fnrl.relay import store
 from fnrl.relay.config import RelayConfig
+from fnrl.relay.data_plane import DataPlane
 
 log = logging.getLogger("fnrl.relay")
 
@@ -113,22 +104,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _tag(session: int, kind: int) -> int:
-    return (session << 24) | kind
-
-
-class Aborted(RuntimeError):
-    """A version being filled was abandoned (its upstream died or a newer one replaced it)."""
-
-
 @dataclasses.dataclass(eq=False)
 class Held:
     """A version this relay holds or is filling. `buf` maps its segment; chunks below
     `ready` are written and verified, `sums` holds their checksums."""
 
     manifest: store.VersionManifest
-    mm: mmap.mmap
-    buf: np.ndarray
+    mm: mmap.mmap | None
+    buf: np.ndarray | None  # both None once released
     sums: list[int] = dataclasses.field(default_factory=list)
     ready: int = 0
     state: str = "filling"  # then "complete" or "aborted"
@@ -158,12 +141,6 @@ class Relay:
     """One relay's state and protocol; `serve` runs it on an asyncio loop."""
 
     def __init__(self, name: str, address: str, cfg: RelayConfig):
-        import ucxx  # imported here: UCX starts its progress thread on first use
-
-        # Python futures completed by ucxx's notifier thread. The default makes every
-        # pending receive spin on the event loop (wait_yield): ~35% of a core per idle relay.
-        ucxx.init(progress_mode="thread", enable_python_future=True)
-        self.ucxx = ucxx
         self.name, self.address, self.cfg = name, address, cfg
         self.pid = os.getpid()
         self.complete: list[Held] = []
@@ -173,13 +150,11 @@ class Relay:
         self.chain = {"epoch": -1, "master": name, "master_address": address,
                       "downstream": None}
         self.changed = asyncio.Condition()  # notified on any progress or chain change
-        self.ucx_address = bytes(ucxx.get_worker_address()).hex()
-        self._endpoints: dict[str, object] = {}
-        self._sent: tuple[str, int] | None = None  # (downstream address, version) it holds
         self.spare: tuple[str, mmap.mmap] | None = None  # a populated segment for the next version
         self._spare_gen = 0
-        self._spare_task: asyncio.Task | None = None
+        self._preparing_spare = False
         self._tasks: set[asyncio.Task] = set()
+        self.data = DataPlane(self)
 
     # --- versions -----------------------------------------------------------------
 
@@ -194,10 +169,10 @@ class Relay:
             versions.append(self.filling.version)
         return max(versions, default=-1)
 
-    def _begin(self, layout: store.VersionManifest) -> Held:
+    def begin(self, layout: store.VersionManifest) -> Held:
         """Start filling a version in a fresh segment, abandoning any other being filled."""
         if self.filling is not None:
-            self._abort(self.filling, f"superseded by version {layout.version}")
+            self.abort(self.filling, f"superseded by version {layout.version}")
         segment = segment_name(self.name, self.pid, layout.version)
         store.unlink_segment(segment)  # an abandoned earlier attempt at this version
         manifest = dataclasses.replace(layout, segment=segment, chunk_bytes=self.cfg.chunk_bytes,
@@ -214,7 +189,7 @@ class Relay:
         self.filling = held
         return held
 
-    def _abort(self, held: Held, why: str) -> None:
+    def abort(self, held: Held, why: str) -> None:
         log.warning("version %d abandoned: %s", held.version, why)
         held.state = "aborted"
         if self.filling is held:
@@ -223,46 +198,77 @@ class Relay:
         # to the garbage collector rather than closed.
         store.unlink_segment(held.manifest.segment)
 
-    def _finish(self, held: Held) -> None:
-        """Make a filled, verified version visible; drop versions beyond `keep_versions`."""
+    def finish(self, held: Held) -> None:
+        """Make a filled, verified version visible; retire versions beyond `keep_versions`."""
         held.manifest = dataclasses.replace(held.manifest, checksums=tuple(held.sums))
         held.state = "complete"
         if self.filling is held:
             self.filling = None
         if self.latest is not None and held.version <= self.latest.version:
-            store.unlink_segment(held.manifest.segment)
+            self.spawn(self._retire([held], None))
             return
         self.complete.append(held)
-        for old in self.complete[: -self.cfg.keep_versions]:
-            store.unlink_segment(old.manifest.segment)
+        dropped = self.complete[: -self.cfg.keep_versions]
         self.complete = self.complete[-self.cfg.keep_versions :]
         log.info("version %d visible (%d bytes, %d chunks)", held.version,
                  held.manifest.total_bytes, len(held.sums))
-        self._prepare_spare(held.manifest.total_bytes)
+        self.spawn(self._retire(dropped, held))
 
-    def _prepare_spare(self, size: int) -> None:
-        """Populate a segment for the next version in the background, now that none is
-        being filled (sizes rarely change between versions)."""
-        if self.spare is not None or (self._spare_task is not None and not self._spare_task.done()):
-            return
+    def _spare_name(self) -> str:
         self._spare_gen += 1
-        name = f"{segment_prefix(self.name)}{self.pid}-spare{self._spare_gen}"
+        return f"{segment_prefix(self.name)}{self.pid}-spare{self._spare_gen}"
 
-        async def prepare() -> None:
-            mm = await asyncio.to_thread(store.create_segment, name, size, populate=True)
-            if self.spare is None:
+    async def _retire(self, dropped: list[Held], newest: Held | None) -> None:
+        """Take the version names of `dropped` away now (new readers ask for `latest`),
+        then, once this relay's part of broadcasting `newest` is done (its downstream
+        holds it; sooner, this work would slow a chain sharing the host), keep one as
+        the spare for the next version if no reader maps it, unmap the others, and
+        populate a fresh spare if none could be reused."""
+        retired = []
+        for old in dropped:
+            name = self._spare_name()
+            store.rename_segment(old.manifest.segment, name)
+            retired.append((name, old))
+        if newest is not None:
+            await self.wait_until(lambda: self.data.forwarded(newest.version),
+                                  self.cfg.chunk_timeout_s)
+        for name, old in retired:
+            mm, old.mm, old.buf = old.mm, None, None
+            if self.spare is None and not self._preparing_spare and newest is not None \
+                    and len(mm) >= newest.manifest.total_bytes and not store.has_readers(name):
                 self.spare = (name, mm)
             else:
                 store.unlink_segment(name)
-            await self._notify()
+                await asyncio.to_thread(_unmap, mm)
+            del mm
+        if newest is None or self.spare is not None or self._preparing_spare:
+            await self.notify()
+            return
+        self._preparing_spare, name = True, self._spare_name()
+        try:
+            # Sizes rarely change between versions.
+            mm = await asyncio.to_thread(store.create_segment, name, newest.manifest.total_bytes,
+                                         populate=True)
+        finally:
+            self._preparing_spare = False
+        if self.spare is None:
+            self.spare = (name, mm)
+        else:
+            store.unlink_segment(name)
+        await self.notify()
 
-        self._spare_task = asyncio.create_task(prepare())
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` as a task this relay cancels when it stops."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
-    async def _notify(self) -> None:
+    async def notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
 
-    async def _wait_until(self, predicate, timeout_s: float) -> bool:
+    async def wait_until(self, predicate, timeout_s: float) -> bool:
         async with self.changed:
             try:
                 await asyncio.wait_for(self.changed.wait_for(predicate), timeout_s)
@@ -286,7 +292,7 @@ class Relay:
             latest = self.latest
             return {"ok": True, "name": self.name, "pid": self.pid,
                     "version": latest.version if latest else None,
-                    "ucx_address": self.ucx_address, "master": self.chain["master"],
+                    "ucx_address": self.data.address, "master": self.chain["master"],
                     "master_address": self.chain["master_address"],
                     "epoch": self.chain["epoch"], "downstream": self.chain["downstream"],
                     # Nothing to prepare before the first version (its size is unknown).
@@ -298,7 +304,7 @@ class Relay:
                 # Read-your-writes at the master: a version handed off here is the latest
                 # from then on; a reader that asks while it is being copied in waits (about
                 # one memory copy) instead of getting the one before.
-                await self._wait_until(lambda: held.state != "filling", self.cfg.chunk_timeout_s)
+                await self.wait_until(lambda: held.state != "filling", self.cfg.chunk_timeout_s)
             latest = self.latest
             return {"ok": True, "manifest": json.loads(latest.to_json()) if latest else None}
         if op == "publish":
@@ -311,7 +317,7 @@ class Relay:
             return await self.set_chain(header)
         if op == "wait_version":
             version = int(header["version"])
-            ok = await self._wait_until(
+            ok = await self.wait_until(
                 lambda: self.latest is not None and self.latest.version >= version,
                 float(header.get("timeout_s", 10.0)))
             return {"ok": ok, "version": self.latest.version if self.latest else None,
@@ -335,7 +341,7 @@ class Relay:
                 return {"ok": False, "error": f"version {layout.version}: tensor {spec.name} "
                         f"has {len(frame)} bytes, expected {spec.nbytes} for "
                         f"{spec.dtype}{list(spec.shape)}"}
-        held = self._begin(layout)
+        held = self.begin(layout)
         for spec, frame in zip(layout.tensors, payload):
             held.buf[spec.offset : spec.offset + spec.nbytes] = np.frombuffer(frame.buffer, np.uint8)
         await self._fill_from(held, None)
@@ -348,7 +354,7 @@ class Relay:
         size = self._layout(header, "").total_bytes
         free = lambda: [s for s in self.slots if not s.busy]  # noqa: E731
         if not free() and len(self.slots) >= self.cfg.inbox_slots:
-            if not await self._wait_until(lambda: bool(free()), self.cfg.chunk_timeout_s):
+            if not await self.wait_until(lambda: bool(free()), self.cfg.chunk_timeout_s):
                 return {"ok": False, "error": "no inbox slot freed in time"}
         fitting = [s for s in free() if s.size >= size]
         if fitting:
@@ -373,12 +379,10 @@ class Relay:
         if slot is None or slot.reserved is None or slot.reserved.version != version:
             return {"ok": False, "error": f"no reservation of {segment} for version {version}"}
         self._check_newer(version)
-        held = self._begin(slot.reserved)
+        held = self.begin(slot.reserved)
         held.handed_off = True
         slot.busy, slot.reserved = True, None
-        task = asyncio.create_task(self._fill_from(held, slot))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self.spawn(self._fill_from(held, slot))
         if header.get("wait", "visible") == "visible":
             await task
             if held.state != "complete":
@@ -397,13 +401,13 @@ class Relay:
                 # A thread, so the loop keeps answering: numpy and xxhash drop the GIL.
                 held.sums.append(await asyncio.to_thread(_copy_and_sum, src, held.buf[lo:hi]))
                 held.ready += 1
-                await self._notify()
-            self._finish(held)
-            await self._notify()
+                await self.notify()
+            self.finish(held)
+            await self.notify()
         finally:
             if slot is not None:
                 slot.busy = False
-                await self._notify()
+                await self.notify()
 
     async def set_chain(self, header: dict) -> dict:
         if int(header["epoch"]) < self.chain["epoch"]:
@@ -411,185 +415,26 @@ class Relay:
         self.chain = {k: header[k] for k in ("epoch", "master", "master_address", "downstream")}
         log.info("chain epoch %d: master %s, downstream %s", self.chain["epoch"],
                  self.chain["master"], (self.chain["downstream"] or {}).get("name"))
-        await self._notify()
+        await self.notify()
         return {"ok": True}
-
-    # --- data plane: receiving ----------------------------------------------------
-
-    async def _endpoint(self, address_hex: str):
-        ep = self._endpoints.get(address_hex)
-        if ep is None:
-            address = self.ucxx.get_ucx_address_from_buffer(bytes.fromhex(address_hex))
-            ep = await asyncio.wait_for(self.ucxx.create_endpoint_from_worker_address(
-                address, endpoint_error_handling=self.cfg.ucx_error_handling),
-                self.cfg.chunk_timeout_s)
-            self._endpoints[address_hex] = ep
-        return ep
-
-    def _drop_endpoint(self, address_hex: str) -> None:
-        ep = self._endpoints.pop(address_hex, None)
-        if ep is not None:
-            try:
-                ep.abort()
-            except Exception:  # noqa: BLE001 - the peer is gone either way
-                pass
-
-    async def _send(self, ep, buf: np.ndarray, tag: int) -> None:
-        await asyncio.wait_for(ep.send(buf, tag=tag, force_tag=True), self.cfg.chunk_timeout_s)
-
-    async def _recv(self, buf: np.ndarray, tag: int, timeout_s: float | None = None) -> None:
-        await asyncio.wait_for(self.ucxx.recv(buf, tag=tag), timeout_s or self.cfg.chunk_timeout_s)
-
-    async def accept_sessions(self) -> None:
-        """Take transfers from upstream relays, one preamble at a time."""
-        while True:
-            preamble = np.empty(2, np.uint64)
-            await self.ucxx.recv(preamble, tag=PREAMBLE_TAG)
-            task = asyncio.create_task(self._receive(int(preamble[0]), int(preamble[1])))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _receive(self, session: int, header_len: int) -> None:
-        held = None
-        try:
-            raw = np.empty(header_len, np.uint8)
-            await self._recv(raw, _tag(session, HEADER))
-            header = json.loads(raw.tobytes())
-            layout = store.VersionManifest.from_json(json.dumps(header["layout"]))
-            reply_to = await self._endpoint(header["reply_to"])
-            if layout.version <= self.newest_version() and not (
-                    self.filling is not None and self.filling.version == layout.version):
-                await self._send(reply_to, np.array([HAVE_IT], np.uint64), _tag(session, NEED))
-                return
-            held = self._begin(layout)
-            if held.manifest.chunk_bytes != layout.chunk_bytes:
-                held.manifest = dataclasses.replace(held.manifest, chunk_bytes=layout.chunk_bytes)
-            n = held.manifest.num_chunks
-            # Post every receive at once: chunk i+1 lands while chunk i is verified.
-            sums = np.empty(n, np.uint64)
-            posted = [(asyncio.ensure_future(self.ucxx.recv(sums[i : i + 1], tag=_tag(session, SUM + 2 * i))),
-                       asyncio.ensure_future(self.ucxx.recv(held.chunk(i), tag=_tag(session, SUM + 2 * i + 1))))
-                      for i in range(n)]
-            await self._send(reply_to, np.array([NEED_IT], np.uint64), _tag(session, NEED))
-            try:
-                for i, (sum_req, data_req) in enumerate(posted):
-                    await asyncio.wait_for(asyncio.gather(sum_req, data_req), self.cfg.chunk_timeout_s)
-                    if held.state != "filling":
-                        return
-                    got = await asyncio.to_thread(store.checksum, held.chunk(i))
-                    if got != int(sums[i]):
-                        self._abort(held, f"chunk {i} checksum mismatch from {header['sender']}")
-                        await self._send(reply_to, np.array([DONE_BAD], np.uint64), _tag(session, DONE))
-                        return
-                    held.sums.append(got)
-                    held.ready += 1
-                    await self._notify()
-            finally:
-                for reqs in posted:
-                    for r in reqs:
-                        r.cancel()
-            self._finish(held)
-            await self._notify()
-            await self._send(reply_to, np.array([DONE_OK], np.uint64), _tag(session, DONE))
-        except Exception as e:  # noqa: BLE001 - a failed transfer must not kill the relay
-            if held is not None and held.state == "filling":
-                self._abort(held, f"receive failed: {type(e).__name__}: {e}")
-                await self._notify()
-            else:
-                log.warning("session %x failed: %s: %s", session, type(e).__name__, e)
-
-    # --- data plane: forwarding ---------------------------------------------------
-
-    def _source(self) -> Held | None:
-        """What the downstream should get next: the newest version held or being filled,
-        if the downstream is not already known to hold it."""
-        down = self.chain["downstream"]
-        if down is None:
-            return None
-        candidates = [h for h in (self.filling, *self.complete[-1:]) if h is not None]
-        if not candidates:
-            return None
-        src = max(candidates, key=lambda h: h.version)
-        if self._sent is not None and self._sent[0] == down["ucx_address"] \
-                and self._sent[1] >= src.version:
-            return None
-        return src
-
-    async def forward(self) -> None:
-        """Forever: stream the newest version to the current downstream neighbour. A
-        stream to a neighbour that the controller has since spliced out is cancelled."""
-        while True:
-            await self._wait_until(lambda: self._source() is not None, 1.0)
-            src, down = self._source(), self.chain["downstream"]
-            if src is None:
-                continue
-            address = down["ucx_address"]
-            stream = asyncio.create_task(self._stream(src, address))
-            stream.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
-            moved = lambda: (self.chain["downstream"] or {}).get("ucx_address") != address  # noqa: E731
-            while not stream.done() and not moved():
-                await self._wait_until(lambda: stream.done() or moved(), 1.0)
-            if not stream.done():
-                stream.cancel()
-                self._drop_endpoint(address)
-                log.info("stopped forwarding version %d to %s: chain changed", src.version,
-                         down["name"])
-                continue
-            try:
-                stream.result()
-                self._sent = (address, src.version)
-            except Exception as e:  # noqa: BLE001 - retried, or superseded by a repair
-                log.warning("forwarding version %d to %s failed: %s: %s", src.version,
-                            down["name"], type(e).__name__, e)
-                self._drop_endpoint(address)
-                await asyncio.sleep(0.2)
-
-    async def _stream(self, src: Held, address: str) -> bool:
-        """Send one version in one session; True once the downstream holds it verified."""
-        ep = await self._endpoint(address)
-        session = random.getrandbits(39) | (1 << 39)
-        layout = dataclasses.replace(src.manifest, checksums=())
-        header = json.dumps({"layout": json.loads(layout.to_json()), "sender": self.name,
-                             "reply_to": self.ucx_address}).encode()
-        reply = np.zeros(1, np.uint64)
-        need = asyncio.ensure_future(self._recv(reply, _tag(session, NEED)))
-        try:
-            await self._send(ep, np.array([session, len(header)], np.uint64), PREAMBLE_TAG)
-            await self._send(ep, np.frombuffer(header, np.uint8), _tag(session, HEADER))
-            await need
-        finally:
-            need.cancel()
-        if int(reply[0]) == HAVE_IT:
-            return True
-        done = np.zeros(1, np.uint64)
-        done_req = asyncio.ensure_future(
-            self._recv(done, _tag(session, DONE), self.cfg.chunk_timeout_s * 2))
-        try:
-            for i in range(layout.num_chunks):
-                if not await self._wait_until(lambda: src.ready > i or src.state == "aborted",
-                                              self.cfg.chunk_timeout_s):
-                    raise TimeoutError(f"chunk {i} of version {src.version} not ready in time")
-                if src.ready <= i:
-                    raise Aborted(f"version {src.version} was abandoned here")
-                await self._send(ep, np.array([src.sums[i]], np.uint64), _tag(session, SUM + 2 * i))
-                await self._send(ep, src.chunk(i), _tag(session, SUM + 2 * i + 1))
-            await done_req
-        finally:
-            done_req.cancel()
-        if int(done[0]) != DONE_OK:
-            raise RuntimeError(f"downstream rejected version {src.version} (checksum)")
-        return True
 
     def close(self) -> None:
         for held in [*self.complete, *([self.filling] if self.filling else [])]:
             store.unlink_segment(held.manifest.segment)
         for slot in self.slots:
             store.unlink_segment(slot.segment)
-        if self._spare_task is not None:
-            self._spare_task.cancel()
         if self.spare is not None:
             store.unlink_segment(self.spare[0])
         self.complete, self.filling, self.slots, self.spare = [], None, [], None
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    """Unmap a retired segment; run in a thread, where the unmap (freeing the pages
+    unless a reader still maps them, ~0.2 ms per MB) leaves the event loop alone."""
+    try:
+        mm.close()
+    except BufferError:  # a view is still in use: the mapping goes with it
+        pass
 
 
 def _copy_and_sum(src: np.ndarray | None, dst: np.ndarray) -> int:
@@ -610,8 +455,8 @@ async def _serve(args: RelayArgs) -> None:
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    background = [asyncio.create_task(relay.accept_sessions()),
-                  asyncio.create_task(relay.forward())]
+    background = [asyncio.create_task(relay.data.accept()),
+                  asyncio.create_task(relay.data.forward())]
 
     async def answer(envelope, request) -> None:
         try:
@@ -632,9 +477,7 @@ async def _serve(args: RelayArgs) -> None:
             # REQ envelope: routing id(s), an empty delimiter, then the request.
             empty = [i for i, f in enumerate(frames) if len(f) == 0]
             split = empty[0] + 1 if empty else 1
-            task = asyncio.create_task(answer(frames[:split], frames[split:]))
-            relay._tasks.add(task)
-            task.add_done_callback(relay._tasks.discard)
+            relay.spawn(answer(frames[:split], frames[split:]))
     finally:
         for task in [*background, *relay._tasks]:
             task.cancel()

@@ -3,12 +3,16 @@
 Each weight version lives in its own file `/dev/shm/<segment>`; a `VersionManifest`
 says where every tensor sits in it and carries one xxh3-64 checksum per chunk. The
 writer (the relay role) fills and verifies a segment completely before it makes the
-manifest visible, never writes it afterwards, and unlinks it only once newer versions
-are complete (multi-version concurrency instead of StaleFlow's read-write lock: a
-reader never waits for a writer and never blocks one). A reader that mmapped a segment before it was unlinked
-keeps a valid mapping (POSIX keeps the pages until the last mapping goes), so a reader
-never sees a torn version; one that races an unlink gets `FileNotFoundError` and asks
-for the new latest version.
+manifest visible, and never writes it while it carries a version's name (multi-version
+concurrency instead of StaleFlow's read-write lock: a reader never waits for a writer
+and never blocks one). Once newer versions are complete the writer takes the name away
+(rename or unlink); a reader that mapped the segment before keeps a valid mapping, and
+one that comes later gets `FileNotFoundError` and asks for the new latest version.
+
+Readers hold a shared `flock` on a segment for as long as they map it. The writer
+reuses a retired segment for a later version (no page allocation, zeroing and freeing:
+those cost several memory copies) only if it can take the lock exclusively, i.e. no
+reader maps it; otherwise it unlinks it and POSIX keeps the pages for the reader.
 
 We use os.open + mmap rather than `multiprocessing.shared_memory`: on Python 3.11 its
 resource tracker unlinks segments that a process merely opened.
@@ -17,9 +21,11 @@ resource tracker unlinks segments that a process merely opened.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import mmap
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -122,11 +128,7 @@ def segment_checksums(buf: np.ndarray, total_bytes: int, chunk_bytes: int) -> tu
 
 def verify_version(manifest: VersionManifest) -> bool:
     """Re-read a visible version from /dev/shm and check every chunk's checksum."""
-    fd = os.open(SHM_DIR / manifest.segment, os.O_RDONLY)
-    try:
-        mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    mm = _map_for_reading(manifest)
     buf = np.frombuffer(mm, np.uint8)
     sums = segment_checksums(buf, manifest.total_bytes, manifest.chunk_bytes)
     del buf
@@ -171,19 +173,24 @@ def plan_layout(
 def create_segment(segment: str, size: int, *, populate: bool = False) -> mmap.mmap:
     """Create `/dev/shm/<segment>` of `size` bytes and map it writable.
 
-    `populate` allocates and maps every page now (MAP_POPULATE). First-touch page faults
-    on fresh tmpfs pages cost several times a memory copy, so relays populate segments
-    ahead of time, off the broadcast's critical path.
+    `populate` allocates and maps every page now. First-touch page faults on fresh tmpfs
+    pages cost several times a memory copy, so relays populate segments ahead of time,
+    off the broadcast's critical path.
     """
     fd = os.open(SHM_DIR / segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         # mmap refuses a zero-length file, so an empty version still gets one page.
         size = max(size, ALIGNMENT)
         os.ftruncate(fd, size)
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-        return mmap.mmap(fd, size, flags=flags)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
+    if populate:
+        # One write per page allocates and maps it, with the GIL released (numpy). Not
+        # MAP_POPULATE: CPython holds the GIL through mmap(), so a relay populating a
+        # segment in a thread stalled its event loop (and its broadcast) ~1 ms per MB.
+        np.frombuffer(mm, np.uint8)[:: mmap.PAGESIZE] = 0
+    return mm
 
 
 def rename_segment(old: str, new: str) -> None:
@@ -202,12 +209,28 @@ def unlink_segment(segment: str) -> None:
 def open_version(manifest: VersionManifest) -> dict[str, np.ndarray]:
     """Read-only, zero-copy views of every tensor of a version.
 
-    The arrays keep the mapping alive through their `.base`, so they stay valid after
-    the relay unlinks the segment. Raises FileNotFoundError if the segment is already
-    gone; ask the relay for its latest version and try again.
+    The arrays keep the mapping (and the reader's lock on it) alive through their
+    `.base`, so they stay valid after the relay retires the segment. Raises
+    FileNotFoundError if the segment is already retired; ask the relay for its latest
+    version and try again.
     """
-    fd = os.open(SHM_DIR / manifest.segment, os.O_RDONLY)
+    mm = _map_for_reading(manifest)
+    return {t.name: _view(mm, t) for t in manifest.tensors}
+
+
+def _map_for_reading(manifest: VersionManifest) -> mmap.mmap:
+    """Map a version's segment read-only under a shared lock held while the mapping lives."""
+    path = SHM_DIR / manifest.segment
+    fd = os.open(path, os.O_RDONLY)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FileNotFoundError(f"segment {manifest.segment} is being reused") from None
+        # Renamed between our open and our lock: the file may be a spare the writer
+        # fills with another version.
+        if os.fstat(fd).st_ino != os.stat(path).st_ino:
+            raise FileNotFoundError(f"segment {manifest.segment} was retired")
         size = os.fstat(fd).st_size
         if size < manifest.total_bytes:
             raise ValueError(
@@ -218,9 +241,23 @@ def open_version(manifest: VersionManifest) -> dict[str, np.ndarray]:
         # every page at once, which is 2-3x faster than faulting them in one by one.
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                        prot=mmap.PROT_READ)
-    finally:
+    except BaseException:
         os.close(fd)
-    return {t.name: _view(mm, t) for t in manifest.tensors}
+        raise
+    weakref.finalize(mm, os.close, fd)  # closing the descriptor releases the lock
+    return mm
+
+
+def has_readers(segment: str) -> bool:
+    """True if some reader maps `segment` (or is about to): its shared lock is held."""
+    fd = os.open(SHM_DIR / segment, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases our lock, if we got it
 
 
 def open_segment_writable(segment: str) -> mmap.mmap:

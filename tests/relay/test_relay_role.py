@@ -57,19 +57,43 @@ def test_keeps_two_newest_segments(relay):
         assert_bit_exact(store.open_version(client.latest()), weights(9))
 
 
+def wait_spare(client: RelayClient) -> None:
+    deadline = time.monotonic() + 10
+    while not client.ping()["spare_ready"]:
+        assert time.monotonic() < deadline, "no spare segment prepared"
+        time.sleep(0.01)
+
+
 def test_reader_keeps_its_version_while_newer_ones_replace_it(relay):
     with RelayClient(relay.address, timeout_s=5) as client:
         client.publish(1, weights(1))
         held = store.open_version(client.latest())
         stale = client.latest()
         client.publish(2, weights(2))
-        client.publish(3, weights(3))  # unlinks version 1's segment
+        client.publish(3, weights(3))  # retires version 1's segment
         assert stale.segment not in relay.segments()
+        for version in (4, 5, 6):  # a segment a reader maps is never reused
+            wait_spare(client)
+            client.publish(version, weights(version))
         assert_bit_exact(held, weights(1))
         # A reader that comes too late gets FileNotFoundError and asks again.
         with pytest.raises(FileNotFoundError):
             store.open_version(stale)
-        assert_bit_exact(store.open_version(client.latest()), weights(3))
+        assert_bit_exact(store.open_version(client.latest()), weights(6))
+
+
+def test_retired_segment_nobody_reads_is_reused_for_a_later_version(relay):
+    with RelayClient(relay.address, timeout_s=5) as client:
+        inodes = {}
+        for version in range(1, 6):
+            wait_spare(client)
+            client.publish(version, weights(version))
+            manifest = client.latest()
+            inodes[version] = (store.SHM_DIR / manifest.segment).stat().st_ino
+            assert_bit_exact(store.open_version(manifest), weights(version))  # then let go
+        # Two versions kept, so version v is written where version v - 3 was.
+        assert inodes[4] == inodes[1] and inodes[5] == inodes[2]
+        assert len(set(inodes.values())) == 3
 
 
 def test_old_or_equal_version_rejected(relay):
