@@ -489,14 +489,19 @@ async def _serve(args: RelayArgs) -> None:
 
 def serve(args: RelayArgs) -> None:
     """Answer requests and forward versions until SIGTERM or SIGINT, then unlink every
-    segment."""
-    asyncio.run(_serve(args))
+    segment. Exits with 1 if it fails (e.g. its address is taken)."""
+    code = 0
+    try:
+        asyncio.run(_serve(args))
+    except BaseException:  # noqa: BLE001 - logged; the exit code tells the launcher
+        log.exception("relay %s failed", args.name)
+        code = 1
     # A spare segment whose creation was still running in a thread at shutdown.
     for path in store.SHM_DIR.glob(f"{segment_prefix(args.name)}{os.getpid()}-*"):
         store.unlink_segment(path.name)
-    # UCX's progress thread can keep the interpreter from exiting; all state is gone.
+    # UCX's progress thread keeps the interpreter from exiting; all state is gone.
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 def main() -> None:

@@ -53,15 +53,28 @@ class RelayTier:
                start_timeout_s: float = 60.0) -> RelayTier:
         """Start `cfg.num_relays` relay processes named `<prefix>0..`, chain them, and return
         the tier. Relays that were started are stopped again if any fails to come up."""
+        def start(name: str) -> tuple[str, str, subprocess.Popen]:
+            address = f"tcp://127.0.0.1:{free_port()}"
+            return name, address, launch_relay(address, name, Path(log_dir) / f"{name}.log", cfg)
+
         procs = []
         try:
-            for i in range(cfg.num_relays):
-                name, address = f"{prefix}{i}", f"tcp://127.0.0.1:{free_port()}"
-                procs.append((name, address, launch_relay(
-                    address, name, Path(log_dir) / f"{name}.log", cfg)))
-            members = [RelayMember(name=n, address=a, proc=p,
-                                   ucx_address=wait_relay_ready(a, p, start_timeout_s)["ucx_address"])
-                       for n, a, p in procs]
+            procs += [start(f"{prefix}{i}") for i in range(cfg.num_relays)]
+            members = []
+            for i in range(len(procs)):
+                for attempt in range(3):
+                    name, address, proc = procs[i]
+                    try:
+                        ping = wait_relay_ready(address, proc, start_timeout_s)
+                        break
+                    except RuntimeError:
+                        # Its port was taken between free_port and its bind (other jobs
+                        # share the host): it exits, and another port is tried.
+                        if proc.poll() is None or attempt == 2:
+                            raise
+                        procs[i] = start(name)
+                members.append(RelayMember(name=name, address=address, proc=proc,
+                                           ucx_address=ping["ucx_address"]))
         except BaseException:
             for name, _, proc in procs:
                 stop_relay(proc, name)

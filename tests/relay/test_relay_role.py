@@ -153,3 +153,23 @@ def test_restarted_relay_removes_segments_of_its_killed_predecessor(relay_factor
     assert len(first.segments()) == 1  # SIGKILL leaves the segment behind
     second = relay_factory(first.name)
     assert first.segments() == [] and second.segments() == []
+
+
+def test_relay_whose_address_is_taken_exits_with_its_error(tmp_path):
+    import socket
+    import uuid
+
+    from fnrl.relay.launch import launch_relay
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        name = f"t{uuid.uuid4().hex[:10]}"
+        proc = launch_relay(f"tcp://127.0.0.1:{taken.getsockname()[1]}", name,
+                            tmp_path / "relay.log")
+        try:
+            assert proc.wait(30) == 1  # not left running with UCX's thread alive
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "Address already in use" in (tmp_path / "relay.log").read_text()
