@@ -55,6 +55,7 @@ from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group
                         Migrate, Pull, Route, Trajectory)
 
 TICK_S = 0.1
+PULL_ATTEMPTS = 4
 
 
 class StalenessViolation(AssertionError):
@@ -358,11 +359,17 @@ class Controller:
 
     # --- rollout I/O ----------------------------------------------------------------
 
-    def _lost(self, rid: int) -> bool:
-        """The rollout failed (known, or its process is gone): its I/O errors are the
-        failure's, and the supervisor moves its work elsewhere."""
-        state = self.rollouts[rid]
-        return state.down or self.cluster.role(f"rollout{rid}").proc.poll() is not None
+    async def _lost(self, rid: int, wait_s: float = 1.0) -> bool:
+        """Whether rollout `rid` failed (known, killed, or its process is gone), so that
+        an I/O error on it is the failure's and the supervisor moves its work elsewhere.
+        A dying server closes its sockets before its exit is visible: wait a little."""
+        name = f"rollout{rid}"
+        for _ in range(int(wait_s / 0.05) + 1):
+            if (self.rollouts[rid].down or name in self.supervisor.pending_kills
+                    or self.cluster.role(name).proc.poll() is not None):
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     def rollout_failed(self, rid: int) -> None:
         """The supervisor restarts rollout `rid`: every trajectory on it goes back to the
@@ -387,7 +394,7 @@ class Controller:
         try:
             await self._stream_once(t, rid, prior=prior, pull=pull, evals=evals)
         except ServerError:
-            if not self._lost(rid):
+            if not await self._lost(rid):
                 raise
             # The rollout died under it: the trajectory stays placed until the supervisor
             # moves it back to the TS with what was streamed.
@@ -485,13 +492,23 @@ class Controller:
         if evals:
             await asyncio.wait(evals)     # an evaluation pins the version it started on
         t0 = time.perf_counter()
-        try:
-            rollout.version = await rollout.client.pull(self.relay_for(rid))
-        except ServerError:
-            if not self._lost(rid):
-                raise
-            rollout.pull_task = None   # it pulls the newest when it is back
-            return
+        for attempt in range(PULL_ATTEMPTS):
+            try:
+                # A live relay answers in milliseconds; a dead one must not hold the
+                # engine (which does not generate during a pull) for long.
+                rollout.version = await rollout.client.pull(self.relay_for(rid),
+                                                            relay_timeout_s=5.0)
+                break
+            except ServerError:
+                if await self._lost(rid):
+                    rollout.pull_task = None   # it pulls the newest when it is back
+                    return
+                if attempt == PULL_ATTEMPTS - 1:
+                    raise
+                # Its relay died mid-pull: the tier splices it out within a heartbeat,
+                # and `relay_for` then names a survivor.
+                self.book.counts["pull_retries"] += 1
+                await asyncio.sleep(0.5 * (attempt + 1))
         t1 = time.perf_counter()
         self.book.time["pull_s"] += t1 - t0
         self.timeline.append({"t": t1 - self._t0, "event": "pull", "rid": rid,
@@ -517,7 +534,7 @@ class Controller:
         try:
             results = await asyncio.gather(*(one(p) for p in self.eval_set))
         except ServerError:
-            if not self._lost(self.rollouts.index(rollout)):
+            if not await self._lost(self.rollouts.index(rollout)):
                 raise
             self.book.counts["evals_lost"] += 1   # the rollout failed under it
             return
@@ -754,4 +771,5 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
               "dynamic_sampling_dropped", "unfinished_at_end",
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
               "pulls_skipped_down", "evals_lost", "recovered_groups",
-              "recovered_trajectories", "recovery_discarded_tokens", "reward_errors")
+              "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
+              "pull_retries")

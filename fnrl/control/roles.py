@@ -102,11 +102,12 @@ class Cluster:
     def role(self, name: str) -> RoleProcess:
         return next(r for r in self.roles if r.name == name)
 
-    def kill(self, name: str, *, wait: bool = True) -> None:
-        """SIGKILL a role's process group (a fault, injected or decided)."""
+    def kill(self, name: str, *, sig: int = signal.SIGKILL, wait: bool = True) -> None:
+        """Signal a role's process group: SIGKILL (a fault, injected or decided) or
+        SIGSTOP (an injected hang)."""
         proc = self.role(name).proc
-        _signal_group(proc, signal.SIGKILL)
-        if wait:
+        _signal_group(proc, sig)
+        if wait and sig == signal.SIGKILL:
             proc.wait()
 
     def restart_trainer(self, name: str = "trainer") -> RoleProcess:
@@ -165,9 +166,10 @@ class Cluster:
             code = role.proc.poll()
             if role.name.startswith(SUPERVISED):
                 continue
-            if code is not None and tier is not None and role.name in tier.members \
-                    and len(tier.plan.order) > 1:
-                continue  # the tier's monitor splices a dead relay out of the chain
+            if code is not None and tier is not None and role.name in tier.members and any(
+                    tier.members[n].proc is None or tier.members[n].proc.poll() is None
+                    for n in tier.plan.order if n != role.name):
+                continue  # the tier's monitor splices a dead relay out; survivors carry on
             if code is not None:
                 raise RoleError(f"{role.name} exited with code {code}{log_tail(str(role.log_path))}")
 

@@ -350,6 +350,11 @@ class Supervisor:
         w = self.watches.get(inj.role)
         if w is not None and w.restarting:
             return
+        if inj.signal == "stop":   # a hang: the process lives on, silent
+            self.pending_kills[inj.role] = self.now()
+            self.record("inject", role=inj.role, step=step, signal="stop")
+            self.ctl.cluster.kill(inj.role, sig=signal.SIGSTOP, wait=False)
+            return
         if inj.role.startswith("relay"):
             self.ctl.cluster.kill(inj.role, wait=False)
             self.record("inject", role=inj.role, step=step)

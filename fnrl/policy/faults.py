@@ -67,9 +67,10 @@ class FaultConfig:
     trainer by restoring the newest checkpoint: RobustRL's warm standby (§3.2, a borrowed
     rollout machine), at the cost of a second trainer's memory."""
     inject: tuple[str, ...] = ()
-    """Fault injection, each `ROLE:every=N[:at=K][:phase=train|generate]`: SIGKILL the
-    role (trainer, rollout<i>, relay<i>, controller) at step K, K+N, ... (K defaults to N)
-    during the given phase (default: train for the trainer, generate otherwise)."""
+    """Fault injection, each `ROLE:every=N[:at=K][:phase=train|generate][:signal=kill|stop]`:
+    SIGKILL (or SIGSTOP: a hang, which only detection windows find) the role (trainer,
+    rollout<i>, relay<i>, controller) at step K, K+N, ... (K defaults to N) during the
+    given phase (default: train for the trainer, generate otherwise)."""
     seed: int = 0
     """Seed of the delay into the phase at which an injected kill lands."""
 
@@ -93,6 +94,7 @@ class Injection:
     every: int
     at: int
     phase: Literal["train", "generate"]
+    signal: Literal["kill", "stop"] = "kill"
 
 
 def parse_injection(spec: str) -> Injection:
@@ -101,8 +103,9 @@ def parse_injection(spec: str) -> Injection:
     fields: dict[str, str] = {}
     for opt in opts:
         key, sep, value = opt.partition("=")
-        if not sep or key not in ("every", "at", "phase"):
-            raise ValueError(f"fault injection {spec!r}: expected ROLE:every=N[:at=K][:phase=P], "
+        if not sep or key not in ("every", "at", "phase", "signal"):
+            raise ValueError(f"fault injection {spec!r}: expected "
+                             "ROLE:every=N[:at=K][:phase=P][:signal=S], "
                              f"got option {opt!r}")
         fields[key] = value
     if not (role in ("trainer", "controller") or role.removeprefix("rollout").isdigit()
@@ -119,7 +122,11 @@ def parse_injection(spec: str) -> Injection:
     phase = fields.get("phase", "train" if role == "trainer" else "generate")
     if phase not in ("train", "generate"):
         raise ValueError(f"fault injection {spec!r}: phase must be train or generate")
-    return Injection(role, every, at, phase)  # type: ignore[arg-type]
+    sig = fields.get("signal", "kill")
+    if sig not in ("kill", "stop") or (sig == "stop" and role == "controller"):
+        raise ValueError(f"fault injection {spec!r}: signal must be kill or stop "
+                         "(stop: not for the controller)")
+    return Injection(role, every, at, phase, sig)  # type: ignore[arg-type]
 
 
 def injection_due(inj: Injection, step: int) -> bool:

@@ -6,6 +6,7 @@ still in the partial response pool at the end; none lost, none duplicated.
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,12 @@ def assert_nothing_lost(run_dir, *, steps: int, eta: int):
         assert sorted(t["uid"] for t in g["trajectories"]) == sorted(filled[g["group"]])
         for t in g["trajectories"]:
             assert min(v for v, _ in t["segments"]) + eta >= g["consumed_version"]
+    # The versions each rollout loaded never go back, across its restarts and the
+    # trainer's (a restarted trainer resumes from a checkpoint no older than what it
+    # published; a restarted server loads the newest before it serves).
+    for log in (run_dir / "logs").glob("rollout*.log"):
+        loaded = [int(v) for v in re.findall(r"fnrl_pull: version (\d+)", log.read_text())]
+        assert loaded == sorted(loaded), (log.name, loaded)
     pool = PartialResponsePool(run_dir / "partial_responses.log")
     try:
         consumed_uids = set(uids)
@@ -95,4 +102,27 @@ def test_a_killed_controller_resumes_from_its_journal(tmp_path, cache_dir):
     second = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "recovered from the journal" in second.stdout + second.stderr
+    assert_nothing_lost(run_dir, steps=steps, eta=2)
+
+
+def test_hung_roles_are_found_by_their_detection_windows(tmp_path, cache_dir):
+    # SIGSTOP: the processes live on, silent. A rollout is failed only after zero
+    # throughput for rollout_stall_s AND a heartbeat missing for heartbeat_timeout_s; the
+    # trainer after trainer_hang_s without progress inside a training step.
+    run_dir = tmp_path / "run"
+    steps = 6
+    assert main([
+        "--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
+        "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
+        "--faults.inject", "rollout1:at=2:signal=stop", "trainer:at=4:signal=stop",
+        "--faults.rollout-stall-s", "3", "--faults.heartbeat-timeout-s", "2",
+        "--faults.trainer-hang-s", "4", *SMALL]) == 0
+    events = _events(run_dir)
+    reasons = {e["role"]: e["reason"] for e in events if e["event"] == "failure"}
+    assert reasons.keys() == {"rollout1", "trainer"}
+    assert reasons["rollout1"].startswith("zero throughput for") and "no heartbeat" in reasons["rollout1"]
+    assert reasons["trainer"].startswith("no progress for")
+    # (The hung rollout's replacement server may still be starting when the run ends:
+    # rollout 0 carries the work meanwhile; the kill test above sees a restart through.)
+    assert "trainer" in {e["role"] for e in events if e["event"] == "recovered"}
     assert_nothing_lost(run_dir, steps=steps, eta=2)

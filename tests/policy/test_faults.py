@@ -101,7 +101,8 @@ def test_injection_specs():
     assert [s for s in range(1, 40) if F.injection_due(once, s)] == [3]
     assert [s for s in range(1, 20) if F.injection_due(F.parse_injection("relay1:every=5:at=2"), s)] \
         == [2, 7, 12, 17]
-    for bad in ("gpu:every=3", "trainer:every=x", "trainer:often=3", "trainer", "trainer:every=2:phase=eat"):
+    assert F.parse_injection("rollout0:at=2:signal=stop").signal == "stop"
+    for bad in ("controller:at=2:signal=stop", "trainer:at=2:signal=term", "gpu:every=3", "trainer:every=x", "trainer:often=3", "trainer", "trainer:every=2:phase=eat"):
         with pytest.raises(ValueError, match="fault injection"):
             F.parse_injection(bad)
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
