@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fnrl.config import RunConfig
-from fnrl.control import journal, wire
+from fnrl.control import journal, recovery, report, wire
 from fnrl.control.metrics import MetricsWriter
 from fnrl.control.roles import Cluster
 from fnrl.control.supervisor import JobRestart, Supervisor
@@ -46,11 +46,10 @@ from fnrl.data.arith import Problem, PromptStream
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy import schedule
-from fnrl.policy import staleness as st
 from fnrl.policy.routing import SpeculativeState, snapshot_is_valid
 from fnrl.serving.client import RolloutClient, ServerError
 from fnrl.losses.advantages import informative
-from fnrl.trainer.batching import build_batch
+from fnrl.trainer.batching import make_batch
 from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group, Interrupt,
                         Migrate, Pull, Route, Trajectory)
 
@@ -190,7 +189,7 @@ class Controller:
             self.state = schedule.init_schedule(
                 self.plan, [r.version for r in self.rollouts], v_train=self.book.trainer_version,
                 steps_done=self.book.steps_done)
-            self._recover()
+            recovery.recover(self)
             self._spawn(self.supervisor.heartbeats())
             while True:
                 self.cluster.check()
@@ -232,7 +231,7 @@ class Controller:
             self._trajectory_log.close()
             self.pool.close()
             (self.run_dir / "timeline.json").write_text(json.dumps(self.timeline))
-        return self.summary(wall)
+        return report.summary(self, wall)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -566,7 +565,9 @@ class Controller:
             if g.version + eta < cmd.version:
                 raise StalenessViolation(f"group {g.problem.uid} has a token of version "
                                          f"{g.version}, too old for buffer {cmd.version} (η={eta})")
-        arrays, stats = self.make_batch(groups, b.trainer_version)
+        arrays, stats = make_batch(groups, b.trainer_version, algo=self.cfg.algo,
+                                   trainer=self.cfg.trainer, seq_len=self.seq_len,
+                                   pad_id=self.pad_id)
         header, t0 = await self._train_call(cmd.version, arrays)
         t1 = time.perf_counter()
         self._train_durations.append(t1 - t0)
@@ -575,90 +576,15 @@ class Controller:
         self.timeline.append({"t": t1 - self._t0, "event": "train", "t0": t0 - self._t0,
                               "version": cmd.version})
         for x in batch:
-            self._log_consumed(x.group.problem.uid, cmd.version, x.group.trajectories)
+            recovery.log_consumed(self, x.group.problem.uid, cmd.version, x.group.trajectories)
         self.journal.write("trained", version=cmd.version)
         b.trainer_version = header["version"]
         b.steps_done += 1
         b.trained_tokens += stats["tokens"]
         b.counts["consumed_groups"] += len(groups)
         b.trainer_busy = False
-        self._log_step(header["metrics"], {**stats, "staleness_bound_ok": True, "eta": eta})
+        report.log_step(self, header["metrics"], {**stats, "staleness_bound_ok": True, "eta": eta})
         self.wake.set()
-
-    def _log_consumed(self, name: str, version: int, trajectories, **extra) -> None:
-        """Accounting by id: one line per consumed group, then its tokens leave the pool."""
-        self._trajectory_log.write(json.dumps({
-            "group": name, "consumed_version": version, **extra,
-            "trajectories": [{"uid": tr.uid, "segments": [[s.version, len(s.token_ids)]
-                                                          for s in tr.segments]}
-                             for tr in trajectories]}) + "\n")
-        for tr in trajectories:
-            self.pool.drop(tr.uid)
-
-    def _recover(self) -> None:
-        """Rebuilds what a previous controller of this run left (journal + pool): the
-        prompt cursor, consumption the trainer applied unseen, and every outstanding group
-        with its streamed tokens. A group with tokens keeps its staleness reservation at
-        V = its oldest token's version (finished groups are rewarded again and wait in the
-        experience buffer); one whose tokens are now too old for the bound (V + η below the
-        trainer's version) restarts from its prompt, and the discarded tokens are counted."""
-        rp = self.replayed
-        if not rp.groups:
-            return
-        eta = self.cfg.coord.eta
-        counts = self.book.counts
-        self.prompts.skip(rp.prompts_taken)   # the stream is deterministic: skip what was taken
-        members = {g.problem["uid"]: g.uids for g in rp.groups}
-        for version, names in rp.unlogged:
-            for name in names:
-                trajs = [self.pool.get(u) for u in members[name] if u in self.pool]
-                self._log_consumed(name, version, trajs, recovered=True)
-            self.journal.write("trained", version=version)
-        for g in rp.groups:   # consumed or dropped: nothing of them stays in the pool
-            if g.problem["uid"] in rp.consumed | rp.dropped:
-                for uid in g.uids:
-                    if uid in self.pool:
-                        self.pool.drop(uid)
-        admissions, finished = [], []
-        for g in rp.outstanding():
-            problem = Problem(**g.problem)
-            rec = self.table.add_group(problem, tuple(self.encode(problem.prompt)),
-                                       list(g.target_lens))
-            items = [self.pool.get(u) if u in self.pool else None for u in g.uids]
-            versions = [s.version for it in items if it for s in it.segments if s.token_ids]
-            if not versions:
-                for it, tid in zip(items, rec.tids):
-                    if it is not None:
-                        self.pool.drop(it.uid)
-                continue
-            v_group = min(versions)
-            if v_group + eta < self.book.trainer_version:
-                for it in items:
-                    if it is not None:
-                        counts["recovery_discarded_tokens"] += it.num_tokens
-                        self.pool.drop(it.uid)
-                continue
-            for it, tid in zip(items, rec.tids):
-                if it is not None:
-                    t = self.table.trajs[tid]
-                    t.tokens = it.num_tokens
-                    t.finished = it.finish_reason is not None
-            admissions.append((rec.gid, v_group))
-            if all(it is not None and it.finish_reason is not None for it in items):
-                finished.append(rec.gid)
-        cycle = self.state.cycle
-        self.state = dataclasses.replace(self.state, cycle=dataclasses.replace(
-            cycle, staleness=st.reserve_many(cycle.staleness, admissions)))
-        for gid in finished:
-            self._group_done(gid)
-        counts["recovered_groups"] += len(admissions)
-        counts["recovered_trajectories"] += sum(
-            1 for gid, _ in admissions for tid in self.table.groups[gid].tids
-            if self.table.trajs[tid].tokens)
-        self._bar.write(f"recovered from the journal: {rp.prompts_taken} prompts taken, "
-                        f"{len(rp.consumed)} groups consumed, {len(admissions)} in flight "
-                        f"({len(finished)} finished), "
-                        f"{counts['recovery_discarded_tokens']} stale tokens discarded")
 
     async def _train_call(self, version: int, arrays) -> tuple[dict, float]:
         """Trains version → version + 1 on `arrays`. If the trainer fails during the step,
@@ -693,83 +619,3 @@ class Controller:
             if restored != version:
                 raise StalenessViolation(f"the restarted trainer resumed at version {restored}, "
                                          f"but the batch in flight trains version {version}")
-
-    def make_batch(self, groups: tuple[Group, ...], trainer_version: int):
-        """Arrays for one train step (length buckets, packing and micro-batches per the
-        trainer config; advantages per the algorithm), plus host-side statistics."""
-        trajs = [t for g in groups for t in g.trajectories]
-        arrays, info = build_batch([g.trajectories for g in groups], algo=self.cfg.algo,
-                                   trainer=self.cfg.trainer, seq_len=self.seq_len,
-                                   pad_id=self.pad_id)
-        versions = np.concatenate([np.asarray(t.versions, np.int64) for t in trajs])
-        staleness = trainer_version - versions
-        stats = {
-            "reward_mean": info["reward_mean"],
-            "invalid_samples": info["invalid_samples"],
-            "tokens": info["tokens"],
-            "zero_variance_groups": info["zero_variance_groups"],
-            "batch_length": info["length"],
-            "batch_fill": info["fill"],
-            "staleness_mean": float(staleness.mean()),
-            "staleness_max": int(staleness.max()),
-            "staleness_hist": np.bincount(staleness, minlength=1).tolist(),
-            "response_len_mean": float(np.mean([len(t.response_ids) for t in trajs])),
-            "per_token_versions_ok": all(len(t.versions) == len(t.response_ids) for t in trajs),
-        }
-        return arrays, stats
-
-    # --- metrics ----------------------------------------------------------------------
-
-    def utilization(self) -> dict:
-        """Idle ratios and KV use since the loop started; the same keys for every preset.
-        Evaluation time is not counted (it is not RL work)."""
-        b = self.book
-        wall = max(time.perf_counter() - self._t0 - b.time["eval_s"], 1e-9)
-        active = np.array([r.active_s for r in self.rollouts])
-        kv = np.array([r.kv_token_s / max(r.kv_capacity, 1.0) for r in self.rollouts])
-        return {"wall_s": wall, "trainer_idle_frac": 1.0 - b.time["train_call_s"] / wall,
-                "rollout_idle_frac": float(np.mean(1.0 - np.minimum(active / wall, 1.0))),
-                "kv_util": float(np.mean(kv / wall)),
-                "trained_tokens_total": b.trained_tokens,
-                "trained_tokens_per_s_cum": b.trained_tokens / wall}
-
-    def _log_step(self, trainer_metrics: dict, stats: dict) -> None:
-        b = self.book
-        now = time.perf_counter()
-        record = {**{k: v for k, v in trainer_metrics.items()}, **stats,
-                  "preset": self.cfg.preset or "custom",
-                  "trained_tokens_per_s": stats["tokens"] / max(now - self._last_step_t, 1e-9),
-                  "generated_tokens": b.generated_tokens,
-                  "invalid_trajectories": b.invalid_trajectories,
-                  **{f"time/{k}": v for k, v in b.time.items()},
-                  **{k: b.counts[k] for k in COUNT_KEYS},
-                  **self.utilization(),
-                  "rollout_versions": [r.version for r in self.rollouts]}
-        self._last_step_t = now
-        self.writer.write("train", b.trainer_version, record)
-        acc = b.last_eval["accuracy"] if b.last_eval else float("nan")
-        self._bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", acc=f"{100 * acc:.0f}%",
-                              stale=f"{stats['staleness_mean']:.2f}")
-        self._bar.update(1)
-
-    def summary(self, wall: float) -> dict:
-        b = self.book
-        # RL time: from the first cycle to the last step's return, evaluations excluded.
-        train_wall = max(self._last_train_end - self._t0 - self._eval_s_in_loop, 1e-9)
-        return {"steps": b.steps_done, "version": b.trainer_version, "last_eval": b.last_eval,
-                **self.supervisor.ettr(wall),
-                "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
-                "train_wall_s": train_wall, "trained_tokens": b.trained_tokens,
-                "trained_tokens_per_s": b.trained_tokens / train_wall,
-                "generated_tokens": b.generated_tokens,
-                **{k: b.counts[k] for k in COUNT_KEYS}, **self.utilization()}
-
-
-# Counters every preset reports, so runs compare key for key.
-COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
-              "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
-              "dynamic_sampling_dropped", "unfinished_at_end",
-              "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
-              "pulls_skipped_down", "evals_lost", "recovered_groups",
-              "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
-              "pull_retries")

@@ -6,7 +6,7 @@ A preset sets the coordinator (fnrl.config.CoordinatorConfig) and nothing about 
 model, task or algorithm, so presets compare like with like; flags given on the
 command line override what the preset set. Every preset runs the same loop, the same
 data path (per-trajectory streaming into the partial response pool) and writes the
-same metrics (fnrl.control.loop.COUNT_KEYS, staleness histogram, idle ratios, KV use).
+same metrics (fnrl.control.report.COUNT_KEYS, staleness histogram, idle ratios, KV use).
 
   sync             η = 0: generate a batch on the newest version, train, pull, repeat.
   one_step         η = 1; a rollout pulls only when it has nothing left (no interrupts).

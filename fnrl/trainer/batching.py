@@ -205,3 +205,27 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[st
     else:
         out["adv_B"] = adv_B
     return out
+
+
+def make_batch(groups, trainer_version: int, *, algo, trainer, seq_len: int, pad_id: int):
+    """Arrays for one train step (length buckets, packing and micro-batches per the
+    trainer config; advantages per the algorithm), plus host-side statistics."""
+    trajs = [t for g in groups for t in g.trajectories]
+    arrays, info = build_batch([g.trajectories for g in groups], algo=algo, trainer=trainer,
+                               seq_len=seq_len, pad_id=pad_id)
+    versions = np.concatenate([np.asarray(t.versions, np.int64) for t in trajs])
+    staleness = trainer_version - versions
+    stats = {
+        "reward_mean": info["reward_mean"],
+        "invalid_samples": info["invalid_samples"],
+        "tokens": info["tokens"],
+        "zero_variance_groups": info["zero_variance_groups"],
+        "batch_length": info["length"],
+        "batch_fill": info["fill"],
+        "staleness_mean": float(staleness.mean()),
+        "staleness_max": int(staleness.max()),
+        "staleness_hist": np.bincount(staleness, minlength=1).tolist(),
+        "response_len_mean": float(np.mean([len(t.response_ids) for t in trajs])),
+        "per_token_versions_ok": all(len(t.versions) == len(t.response_ids) for t in trajs),
+    }
+    return arrays, stats
