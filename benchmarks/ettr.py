@@ -10,6 +10,7 @@ another on this machine:
   role       `--faults.inject trainer:every=K`: the trainer is killed at a random point of
              every K-th step and only it restarts (from the step's checkpoint) while the
              rollouts keep generating;
+  standby    the same, with `--faults.trainer-standby`: a warm spare trainer takes over;
   job        the same kills with `--faults.policy job`: every role restarts from the
              checkpoint and the controller's journal (the ByteRobust-style baseline);
   parts      two rollouts and three relays: rollout 1 killed mid-generation, then the
@@ -61,7 +62,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-every", type=int, default=10)
     p.add_argument("--out", default="", help="directory for the runs (default: a temp dir)")
-    p.add_argument("--skip", nargs="*", default=(), choices=("clean", "role", "job", "parts"))
+    p.add_argument("--skip", nargs="*", default=(),
+                   choices=("clean", "role", "standby", "job", "parts"))
     p.add_argument("extra", nargs="*", help="flags passed to every run (after --)")
     a = p.parse_args()
     out = Path(a.out or tempfile.mkdtemp(prefix="fnrl-ettr-"))
@@ -73,6 +75,8 @@ def main() -> None:
         runs["clean"] = run_job("clean", out, base)
     if "role" not in a.skip:
         runs["role"] = run_job("role", out, [*base, *kill])
+    if "standby" not in a.skip:
+        runs["standby"] = run_job("standby", out, [*base, *kill, "--faults.trainer-standby"])
     if "job" not in a.skip:
         runs["job"] = run_job("job", out, [*base, *kill, "--faults.policy", "job",
                                            "--faults.max-job-restarts", "1000"])
@@ -85,26 +89,32 @@ def main() -> None:
 
     print(f"\nfnrl ETTR benchmark: {a.steps} steps, trainer killed every {a.kill_every} steps "
           f"(runs in {out})")
-    row = "{:<44}{:>14}{:>14}{:>12}"
-    print(row.format("", "role restart", "job restart", "goal"))
-    if "role" in runs and "job" in runs:
-        r, j = runs["role"]["summary"], runs["job"]["summary"]
-        print(row.format("ETTR", f"{r['ettr']:.3f}", f"{j['ettr']:.3f}", ">= 0.90"))
-        print(row.format("failures handled", r["failures"], j["failures"], ""))
-        print(row.format("end-to-end time of the job, s", f"{runs['role']['elapsed_s']:.0f}",
-                         f"{runs['job']['elapsed_s']:.0f}", ""))
-        tr = _recoveries(runs["role"]["events"], "trainer")
-        print(row.format("trainer down per kill (mean / max), s",
-                         f"{np.mean([e['down_s'] for e in tr]):.1f} / {max(e['down_s'] for e in tr):.1f}",
-                         " / ".join(f"{x:.0f}" for x in (np.mean(j["job_restart_s"]),
-                                                          max(j["job_restart_s"]))), ""))
-        acc = [x["summary"]["last_eval"]["accuracy"] for x in (runs["role"], runs["job"])]
-        print(row.format("held-out accuracy at the end", f"{acc[0]:.3f}", f"{acc[1]:.3f}", ""))
+    cols = [c for c in ("role", "standby", "job") if c in runs]
+    row = "{:<40}" + "{:>16}" * len(cols) + "{:>10}"
+    names = {"role": "role restart", "standby": "role + standby", "job": "job restart"}
+    print(row.format("", *(names[c] for c in cols), "goal"))
+    if cols:
+        sums = [runs[c]["summary"] for c in cols]
+        print(row.format("ETTR", *(f"{s['ettr']:.3f}" for s in sums), ">= 0.90"))
+        print(row.format("failures handled", *(s["failures"] for s in sums), ""))
+        print(row.format("end-to-end time of the job, s",
+                         *(f"{runs[c]['elapsed_s']:.0f}" for c in cols), ""))
+
+        def down(c):
+            if c == "job":
+                gaps = runs[c]["summary"]["job_restart_s"]
+                return f"{np.mean(gaps):.1f} / {max(gaps):.1f}"
+            d = [e["down_s"] for e in _recoveries(runs[c]["events"], "trainer")]
+            return f"{np.mean(d):.1f} / {max(d):.1f}"
+
+        print(row.format("down per kill (mean / max), s", *(down(c) for c in cols), ""))
+        print(row.format("held-out accuracy at the end",
+                         *(f"{s['last_eval']['accuracy']:.3f}" for s in sums), ""))
     if "clean" in runs:
         c = runs["clean"]
         print(f"clean run (no fault): {c['elapsed_s']:.0f} s end to end, accuracy "
               f"{c['summary']['last_eval']['accuracy']:.3f}")
-        for name in ("role", "job"):
+        for name in ("role", "standby", "job"):
             if name in runs:
                 print(f"  {name} restart: {runs[name]['elapsed_s'] / c['elapsed_s']:.2f}x the clean run's time")
     if "parts" in runs:
