@@ -10,7 +10,6 @@ raises a RoleError naming any other role that exited, with the tail of its log.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from fnrl.control.lifetime import die_with_parent, reap_leftovers
 from fnrl.control.wire import RoleError, log_tail
 from fnrl.relay.config import RelayConfig
 from fnrl.relay.launch import relay_argv, wait_relay_ready
@@ -39,14 +39,6 @@ class RoleProcess:
 SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal here
 
 
-def die_with_parent() -> None:
-    """`preexec_fn`: the kernel SIGKILLs this child when the thread that forked it ends.
-    Roles are spawned from the controller's main thread, so that is the controller."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _spawn(name: str, argv: list[str], log_path: Path, address: str) -> RoleProcess:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -61,6 +53,9 @@ class Cluster:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # A previous controller of this run that was SIGKILLed may have left some (a vLLM
+        # engine process outlives its server when only the server had PDEATHSIG).
+        reap_leftovers(run_dir / "roles.json")
         self.roles: list[RoleProcess] = []
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None

@@ -8,6 +8,7 @@ methods through `POST /collective_rpc` (needs `VLLM_SERVER_DEV_MODE=1`); see
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -15,8 +16,14 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from fnrl.control.lifetime import die_with_parent
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import open_version
+
+if multiprocessing.parent_process() is not None:
+    # vLLM's engine process (it imports this extension): die with the API server, which
+    # dies with the controller, so no engine outlives a killed job.
+    die_with_parent()
 
 # Segments a relay unlinks between our `latest` and our `open` are retried this often.
 _OPEN_ATTEMPTS = 5
