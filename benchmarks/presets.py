@@ -1,6 +1,7 @@
 """End-to-end RL throughput of every preset on one long-tailed workload, side by side.
 
     python benchmarks/presets.py [--steps 8] [--servers 2] [--presets sync,fnrl]
+                                 [--len-dist lognormal --len-median 16 --len-sigma 1]
 
 Each preset runs the real job (fnrl.experiments.math_grpo: vLLM servers, relay, trainer
 process, the controller) for the same number of steps on the same model, task, seed
@@ -16,9 +17,11 @@ median, so a synchronous batch waits for its slowest few while most of the rollo
 capacity idles. The grade is on the text before the first EOS.
 
 Fairness: server start-up and trainer initialisation are outside the measured window.
-The trainer's jitted step is compiled once before the first preset into JAX's
-persistent compilation cache (the trainer processes inherit its directory), so no
-preset's first step pays the compile while others do.
+The trainer's jitted step is compiled before the first preset, for every length bucket
+a batch can take, into JAX's persistent compilation cache (the trainer processes
+inherit its directory), so no preset's first step in a bucket pays the compile while
+later presets load it (warming the longest bucket alone once cost `sync` an 8.5 s
+compile of the 64-token bucket inside its measured window).
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def base_config(args) -> RunConfig:
         # model, and two servers plus other jobs on a 24 GB box stay clear of the OOM killer.
         rollout=RolloutConfig(num_servers=args.servers, groups_per_batch=args.groups,
                               kv_memory_fraction=0.05,
-                              response_len="lognormal", len_median=16.0, len_sigma=1.0,
-                              len_max=96))
+                              response_len=args.len_dist, len_median=args.len_median,
+                              len_sigma=args.len_sigma, len_max=96))
 
 
 _WARM = """
@@ -64,21 +67,24 @@ import json, sys
 from pathlib import Path
 import numpy as np
 from fnrl.config import RunConfig, from_dict
+from fnrl.trainer.batching import default_buckets
 from fnrl.trainer.role import Trainer
 from fnrl.trainer.step import pack_sequences
 cfg = from_dict(RunConfig, json.loads(Path(sys.argv[1]).read_text()))
 model_dir, run_dir, seq_len = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 trainer = Trainer(cfg, model_dir, run_dir)
 rows = cfg.algo.groups_per_step * cfg.algo.group_size
-arrays = pack_sequences([(2, 5, 6)] * rows, [(5, 1)] * rows, seq_len, 0)
-arrays["behaviour_logp_BxT"] = np.zeros((rows, seq_len), np.float32)
-arrays["adv_B"] = np.zeros(rows, np.float32)
-trainer.train(arrays)
+for width in cfg.trainer.length_buckets or default_buckets(seq_len):
+    arrays = pack_sequences([(2, 5, 6)] * rows, [(5, 1)] * rows, width, 0)
+    arrays["behaviour_logp_BxT"] = np.zeros((rows, width), np.float32)
+    arrays["adv_B"] = np.zeros(rows, np.float32)
+    trainer.train(arrays)
 """
 
 
 def warm_compile_cache(cfg: RunConfig, model_dir: Path) -> float:
-    """Compiles the train step for this config once, into the persistent cache."""
+    """Compiles the train step for this config, every length bucket, into the
+    persistent cache."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         save_json(cfg, Path(tmp) / "config.json")
@@ -108,6 +114,10 @@ def main() -> int:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--num-eval", type=int, default=64)
     parser.add_argument("--warm-steps", type=int, default=60)
+    parser.add_argument("--len-dist", choices=("lognormal", "pareto"), default="lognormal")
+    parser.add_argument("--len-median", type=float, default=16.0)
+    parser.add_argument("--len-sigma", type=float, default=1.0,
+                        help="lognormal: σ of log-length; pareto: shape α (smaller: heavier)")
     parser.add_argument("--presets", default=",".join(ORDER))
     parser.add_argument("--out", default=f"runs/bench_presets-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
@@ -142,7 +152,9 @@ def main() -> int:
             f"{'ro idle':>9}{'KV util':>9}{'repack':>8}{'migr':>6}{'intr':>6}{'reprefill':>10}"
             f"{'tokens':>8}{'acc':>7}")
     print(f"\n{args.steps} steps × {args.groups} groups × 8 samples, {args.servers} vLLM "
-          f"server(s), lognormal lengths (median 16, σ 1, max 96); run dirs under {out}")
+          f"server(s), {args.len_dist} lengths (median {args.len_median:g}, "
+          f"{'σ' if args.len_dist == 'lognormal' else 'α'} {args.len_sigma:g}, max 96); "
+          f"run dirs under {out}")
     print(head)
     for name, r in results.items():
         ratio = r["trained_tokens_per_s"] / ref if ref else float("nan")
