@@ -116,7 +116,8 @@ def test_hung_roles_are_found_by_their_detection_windows(tmp_path, cache_dir):
         "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
         "--faults.inject", "rollout1:at=2:signal=stop", "trainer:at=4:signal=stop",
         "--faults.rollout-stall-s", "3", "--faults.heartbeat-timeout-s", "2",
-        "--faults.trainer-hang-s", "4", *SMALL]) == 0
+        # The hang window must exceed a real step, the first (compiling) one included.
+        "--faults.trainer-hang-s", "30", *SMALL]) == 0
     events = _events(run_dir)
     reasons = {e["role"]: e["reason"] for e in events if e["event"] == "failure"}
     assert reasons.keys() == {"rollout1", "trainer"}
