@@ -6,9 +6,12 @@ chain's master and follows the tier controller when a dead master is replaced.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import json
 import logging
 import mmap
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -42,9 +45,11 @@ class RelayClient:
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._inbox: dict[str, mmap.mmap] = {}  # slots the relay lent us, mapped once
+        self._lent: dict[str, _LentSlot] = {}  # inbox slots the relay lent us, mapped once
+        self._one_slot = False  # the relay lends only one slot: the last version's
         self.last_published: tuple[int, dict[str, np.ndarray]] | None = None
-        """The last version handed off and read-only views of it in its inbox slot."""
+        """The last version handed off and views of it in its inbox slot."""
+        self._published_segment: str | None = None  # the slot last_published lies in
 
     def publish(
         self,
@@ -56,28 +61,65 @@ class RelayClient:
     ) -> None:
         """Hand one complete version to a relay on this host through shared memory.
 
-        The relay lends an inbox slot (mapped here once, then reused), this process copies
-        the tensors into it, and a `commit` message hands it over: the caller's stall is one
-        memory copy plus two messages. `wait="held"` returns as soon as the relay holds the
-        version; `"visible"` once the relay serves it as latest.
+        The relay lends inbox slots (each mapped here once, then reused); this process
+        copies the tensors into one and a `commit` message hands it over: the caller's
+        stall is one memory copy plus one message (two when a slot is first lent). A slot
+        stays locked by the relay while it copies it out, and the copy into it waits for
+        that. Slots alternate when the relay lends two, so the last version stays intact
+        for a new master should this one die. `wait="held"` returns as soon as the relay
+        holds the version; `"visible"` once the relay serves it as latest.
         """
         if wait not in ("held", "visible"):
             raise ValueError(f"wait={wait!r}: use 'held' or 'visible'")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         arrays = {name: np.asarray(a) for name, a in tensors.items()}
-        header = {"op": "reserve", "version": int(version), "tensors": [
-            {"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in arrays.items()]}
-        layout = VersionManifest.from_json(json.dumps(self._request(header, [], timeout_s)["manifest"]))
-        mm = self._inbox.get(layout.segment)
-        if mm is None:
-            mm = self._inbox[layout.segment] = store.open_segment_writable(layout.segment)
-        views = store.tensor_views(mm, layout)
-        for name, a in arrays.items():
-            if a.size:  # the view of an empty tensor is a read-only placeholder
-                np.copyto(views[name], a, casting="no")
-        self.last_published = None
-        self._request({"op": "commit", "version": int(version), "segment": layout.segment,
-                       "wait": wait}, [], timeout_s)
-        self.last_published = (int(version), views)
+        specs = [(n, a.shape, str(a.dtype)) for n, a in arrays.items()]
+        layout, slot = self._slot_for(int(version), specs, timeout_s)
+        views = store.tensor_views(slot.mm, layout)
+        if layout.segment == self._published_segment:
+            self.last_published = self._published_segment = None
+        slot.lock(timeout_s, self.address)
+        try:
+            for name, a in arrays.items():
+                if a.size:  # the view of an empty tensor is a read-only placeholder
+                    np.copyto(views[name], a, casting="no")
+        finally:
+            fcntl.flock(slot.fd, fcntl.LOCK_UN)
+        try:
+            self._request({"op": "commit", "version": int(version), "segment": layout.segment,
+                           "tensors": _tensor_specs(arrays), "wait": wait}, [], timeout_s)
+        except RelayError as err:
+            if not isinstance(err, RelayTimeout):  # e.g. the relay replaced the slot
+                self._forget_slot(layout.segment)
+            raise
+        self.last_published, self._published_segment = (int(version), views), layout.segment
+
+    def _slot_for(self, version: int, specs: list, timeout_s: float
+                  ) -> tuple[VersionManifest, _LentSlot]:
+        """A lent slot the version fits in, laid out as the relay lays it out
+        (`store.plan_layout`); asks the relay for one (a round trip) only if none fits."""
+        avoid = None if self._one_slot else self._published_segment
+        for segment, slot in self._lent.items():
+            if segment != avoid:
+                layout = store.plan_layout(version=version, segment=segment, tensors=specs)
+                if layout.total_bytes <= len(slot.mm):
+                    return layout, slot
+        reply = self._request({"op": "reserve", "version": version, "avoid": avoid,
+                               "tensors": [{"name": n, "shape": list(shape), "dtype": dtype}
+                                           for n, shape, dtype in specs]}, [], timeout_s)
+        layout = VersionManifest.from_json(json.dumps(reply["manifest"]))
+        self._one_slot = reply.get("inbox_slots", 1) == 1
+        for segment in [s for s in self._lent if s not in (layout.segment, avoid)]:
+            self._forget_slot(segment)  # replaced by the relay
+        slot = self._lent.get(layout.segment)
+        if slot is None or len(slot.mm) < layout.total_bytes:
+            slot = self._lent[layout.segment] = _LentSlot.open(layout.segment)
+        return layout, slot
+
+    def _forget_slot(self, segment: str) -> None:
+        slot = self._lent.pop(segment, None)
+        if slot is not None:
+            os.close(slot.fd)  # the mapping goes with the last view of it
 
     def publish_frames(
         self,
@@ -89,14 +131,7 @@ class RelayClient:
         """Send one complete version as ZeroMQ frames (a publisher on another host);
         returns once the relay serves it as latest."""
         arrays = {name: _c_contiguous(a) for name, a in tensors.items()}
-        header = {
-            "op": "publish",
-            "version": int(version),
-            "tensors": [
-                {"name": name, "shape": list(a.shape), "dtype": str(a.dtype)}
-                for name, a in arrays.items()
-            ],
-        }
+        header = {"op": "publish", "version": int(version), "tensors": _tensor_specs(arrays)}
         # Raw bytes views: zero-copy, and dtype-agnostic (bfloat16 has no buffer format).
         frames = [a.reshape(-1).view(np.uint8) for a in arrays.values()]
         self._request(header, frames, timeout_s)
@@ -166,6 +201,38 @@ class RelayClient:
         if not reply.get("ok"):
             raise RelayError(f"relay {self.address} refused {op!r}: {reply.get('error')}")
         return reply
+
+
+def _tensor_specs(arrays: Mapping[str, np.ndarray]) -> list[dict]:
+    return [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in arrays.items()]
+
+
+@dataclasses.dataclass(eq=False)
+class _LentSlot:
+    """An inbox slot of the relay, mapped writable here; `fd` carries the slot's lock."""
+
+    mm: mmap.mmap
+    fd: int
+
+    @classmethod
+    def open(cls, segment: str) -> _LentSlot:
+        fd = os.open(store.SHM_DIR / segment, os.O_RDWR)
+        return cls(mm=mmap.mmap(fd, os.fstat(fd).st_size,
+                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), fd=fd)
+
+    def lock(self, timeout_s: float, address: str) -> None:
+        """Take the slot's lock, held by the relay while it copies the slot out (about
+        one memory copy; a relay that dies drops it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RelayTimeout(f"relay {address} did not free its inbox slot "
+                                       f"within {timeout_s:g} s") from None
+                time.sleep(50e-6)
 
 
 def _c_contiguous(a: np.ndarray) -> np.ndarray:

@@ -11,17 +11,21 @@ one raw-bytes frame per tensor. Every reply is one JSON frame, `{"ok": true, ...
     {"op": "latest"}                    -> {"ok", "manifest": manifest-or-null}
     {"op": "publish", "version": v, "tensors": [{"name", "shape", "dtype"}, ...]} + frames
                                         -> {"ok", "manifest"} once v is the latest here
-    {"op": "reserve", "version": v, "tensors": [...]}
-                                        -> {"ok", "manifest"}: an inbox slot to write v into
-    {"op": "commit", "version": v, "segment": slot, "wait": "held" | "visible"}
-                                        -> {"ok", "version"}
+    {"op": "reserve", "version": v, "tensors": [...], "avoid": slot-or-null}
+                                        -> {"ok", "manifest", "inbox_slots"}: an inbox slot
+                                           to write v into (another than `avoid` if it can)
+    {"op": "commit", "version": v, "segment": slot, "tensors": [...],
+     "wait": "held" | "visible"}        -> {"ok", "version"}
     {"op": "set_chain", "epoch", "master", "master_address", "downstream": {"name",
      "ucx_address"} | null}             -> {"ok"}
     {"op": "wait_version", "version": v, "timeout_s": t} -> {"ok", "version"}
 
 `reserve` + `commit` is the trainer's hand-off: it writes a version straight into a
-shared-memory slot it keeps mapped, so its stall is one memory copy plus two messages;
-"held" answers at once, the relay then copies the slot into the version's own segment.
+shared-memory slot it keeps mapped, so its stall is one memory copy plus one message (a
+slot, once lent, is written again without asking: the tensors are laid out by
+`store.plan_layout` on both sides). "held" answers at once; the relay then copies the slot
+into the version's own segment under an exclusive `flock` of the slot, which the trainer
+takes before it writes the slot again.
 
 Data (UCX, between relays): `fnrl.relay.data_plane` streams each version down the
 chain in pipelined, checksummed chunks; a version becomes visible here only once every
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
 import mmap
@@ -128,12 +133,13 @@ class Held:
 
 @dataclasses.dataclass(eq=False)
 class Slot:
-    """An inbox segment lent to the trainer; busy while its content is copied out."""
+    """An inbox segment lent to the trainer; busy (and locked through `fd`) while its
+    content is copied out."""
 
     segment: str
     size: int
     buf: np.ndarray
-    reserved: store.VersionManifest | None = None
+    fd: int
     busy: bool = False
 
 
@@ -352,36 +358,54 @@ class Relay:
         version = int(header["version"])
         self._check_newer(version)
         size = self._layout(header, "").total_bytes
-        free = lambda: [s for s in self.slots if not s.busy]  # noqa: E731
-        if not free() and len(self.slots) >= self.cfg.inbox_slots:
+        limit, avoid = self.cfg.inbox_slots, header.get("avoid")
+        # Free slots, the one the publisher asks to avoid last: it holds the publisher's
+        # last version, which it hands to a new master should this relay die.
+        free = lambda: sorted((s for s in self.slots if not s.busy),  # noqa: E731
+                              key=lambda s: s.segment == avoid)
+        if not free() and len(self.slots) >= limit:
             if not await self.wait_until(lambda: bool(free()), self.cfg.chunk_timeout_s):
                 return {"ok": False, "error": "no inbox slot freed in time"}
         fitting = [s for s in free() if s.size >= size]
-        if fitting:
+        if fitting and (fitting[0].segment != avoid or len(self.slots) >= limit):
             slot = fitting[0]
         else:
-            if len(self.slots) >= self.cfg.inbox_slots:  # replace a free slot that is too small
+            if len(self.slots) >= limit:  # replace a free slot that is too small
                 small = free()[0]
                 self.slots.remove(small)
                 store.unlink_segment(small.segment)
+                os.close(small.fd)
             self._slot_gen += 1
             segment = f"{segment_prefix(self.name)}{self.pid}-inbox{self._slot_gen}"
             mm = await asyncio.to_thread(store.create_segment, segment, size, populate=True)
-            slot = Slot(segment=segment, size=size, buf=np.frombuffer(mm, np.uint8))
+            slot = Slot(segment=segment, size=size, buf=np.frombuffer(mm, np.uint8),
+                        fd=os.open(store.SHM_DIR / segment, os.O_RDWR))
             self.slots.append(slot)
-        slot.reserved = self._layout(header, slot.segment)
-        return {"ok": True, "manifest": json.loads(slot.reserved.to_json())}
+        layout = self._layout(header, slot.segment)
+        return {"ok": True, "manifest": json.loads(layout.to_json()), "inbox_slots": limit}
 
     async def commit(self, header: dict) -> dict:
         """The publisher has written its slot: this relay now holds the version."""
         version, segment = int(header["version"]), header["segment"]
         slot = next((s for s in self.slots if s.segment == segment), None)
-        if slot is None or slot.reserved is None or slot.reserved.version != version:
-            return {"ok": False, "error": f"no reservation of {segment} for version {version}"}
+        if slot is None or slot.busy:
+            return {"ok": False, "error": f"{segment} is not a free inbox slot here"}
+        layout = self._layout(header, segment)
+        if layout.total_bytes > slot.size:
+            return {"ok": False, "error": f"version {version} needs {layout.total_bytes} "
+                    f"bytes, inbox slot {segment} has {slot.size}"}
         self._check_newer(version)
-        held = self.begin(slot.reserved)
+        try:
+            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return {"ok": False, "error": f"{segment} is still locked by its writer"}
+        try:
+            held = self.begin(layout)
+        except BaseException:
+            fcntl.flock(slot.fd, fcntl.LOCK_UN)
+            raise
         held.handed_off = True
-        slot.busy, slot.reserved = True, None
+        slot.busy = True
         task = self.spawn(self._fill_from(held, slot))
         if header.get("wait", "visible") == "visible":
             await task
@@ -407,6 +431,7 @@ class Relay:
         finally:
             if slot is not None:
                 slot.busy = False
+                fcntl.flock(slot.fd, fcntl.LOCK_UN)  # the publisher may write it again
                 await self.notify()
 
     async def set_chain(self, header: dict) -> dict:
@@ -423,6 +448,7 @@ class Relay:
             store.unlink_segment(held.manifest.segment)
         for slot in self.slots:
             store.unlink_segment(slot.segment)
+            os.close(slot.fd)
         if self.spare is not None:
             store.unlink_segment(self.spare[0])
         self.complete, self.filling, self.slots, self.spare = [], None, [], None

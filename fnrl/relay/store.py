@@ -25,6 +25,7 @@ import fcntl
 import json
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -128,12 +129,8 @@ def segment_checksums(buf: np.ndarray, total_bytes: int, chunk_bytes: int) -> tu
 
 def verify_version(manifest: VersionManifest) -> bool:
     """Re-read a visible version from /dev/shm and check every chunk's checksum."""
-    mm = _map_for_reading(manifest)
-    buf = np.frombuffer(mm, np.uint8)
-    sums = segment_checksums(buf, manifest.total_bytes, manifest.chunk_bytes)
-    del buf
-    mm.close()
-    return sums == manifest.checksums
+    buf = _map_for_reading(manifest)
+    return segment_checksums(buf, manifest.total_bytes, manifest.chunk_bytes) == manifest.checksums
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -214,12 +211,23 @@ def open_version(manifest: VersionManifest) -> dict[str, np.ndarray]:
     FileNotFoundError if the segment is already retired; ask the relay for its latest
     version and try again.
     """
-    mm = _map_for_reading(manifest)
-    return {t.name: _view(mm, t) for t in manifest.tensors}
+    buf = _map_for_reading(manifest)
+    return {t.name: _view(buf, t) for t in manifest.tensors}
 
 
-def _map_for_reading(manifest: VersionManifest) -> mmap.mmap:
-    """Map a version's segment read-only under a shared lock held while the mapping lives."""
+# Read-only mappings of the segments this process has read, by (device, inode), each with
+# an unlocked descriptor of its own. A relay recycles a few segments (spare -> version ->
+# retired -> spare), so a reader that keeps them mapped maps each once: mapping 10 MB of
+# 4 KiB pages costs about as much as copying it. The lock, not the mapping, keeps a
+# segment from being reused, so a mapping kept here does not hold up the relay.
+_MAPPED: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+_MAPPED_MAX = 4
+_MAPPED_LOCK = threading.Lock()
+
+
+def _map_for_reading(manifest: VersionManifest) -> np.ndarray:
+    """A read-only uint8 array over a version's segment, under a shared lock that is held
+    while the array (or any view of it) lives."""
     path = SHM_DIR / manifest.segment
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -237,15 +245,53 @@ def _map_for_reading(manifest: VersionManifest) -> mmap.mmap:
                 f"segment {manifest.segment} holds {size} bytes, "
                 f"manifest of version {manifest.version} needs {manifest.total_bytes}"
             )
-        # PROT_READ makes the buffer read-only, so numpy views refuse writes; POPULATE maps
-        # every page at once, which is 2-3x faster than faulting them in one by one.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                       prot=mmap.PROT_READ)
+        with _MAPPED_LOCK:
+            buf = np.frombuffer(_mapping(fd), np.uint8)
     except BaseException:
         os.close(fd)
         raise
-    weakref.finalize(mm, os.close, fd)  # closing the descriptor releases the lock
-    return mm
+    weakref.finalize(buf, os.close, fd)  # closing the descriptor releases the lock
+    return buf
+
+
+def _mapping(locked_fd: int) -> mmap.mmap:
+    """The cached mapping of the segment open as `locked_fd`, mapped now if need be."""
+    st = os.fstat(locked_fd)
+    key = (st.st_dev, st.st_ino)
+    for other, (fd, mm) in list(_MAPPED.items()):
+        # A segment the relay unlinked would keep its pages alive here: let it go.
+        if other != key and os.fstat(fd).st_nlink == 0:
+            _forget(other)
+    entry = _MAPPED.pop(key, None)  # popped and put back: the dict is in LRU order
+    if entry is not None and len(entry[1]) != st.st_size:
+        _MAPPED[key] = entry
+        _forget(key)
+        entry = None
+    if entry is None:
+        # A descriptor of our own (a new open file description, so not sharing the
+        # lock), which mmap also duplicates: the cached mapping never holds the lock.
+        fd = os.open(f"/proc/self/fd/{locked_fd}", os.O_RDONLY)
+        try:
+            # PROT_READ makes the buffer read-only, so numpy views refuse writes; POPULATE
+            # maps every page at once, 2-3x faster than faulting them in one by one.
+            entry = (fd, mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                   prot=mmap.PROT_READ))
+        except BaseException:
+            os.close(fd)
+            raise
+    _MAPPED[key] = entry
+    while len(_MAPPED) > _MAPPED_MAX:
+        _forget(next(iter(_MAPPED)))
+    return entry[1]
+
+
+def _forget(key: tuple[int, int]) -> None:
+    fd, mm = _MAPPED.pop(key)
+    os.close(fd)
+    try:
+        mm.close()
+    except BufferError:  # arrays still use it: the mapping goes with the last of them
+        pass
 
 
 def has_readers(segment: str) -> bool:
@@ -260,25 +306,16 @@ def has_readers(segment: str) -> bool:
         os.close(fd)  # releases our lock, if we got it
 
 
-def open_segment_writable(segment: str) -> mmap.mmap:
-    """Map an existing segment read-write (the trainer's side of a shared-memory hand-off)."""
-    fd = os.open(SHM_DIR / segment, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    finally:
-        os.close(fd)
-
-
 def tensor_views(mm: mmap.mmap, manifest: VersionManifest) -> dict[str, np.ndarray]:
     """Views of every tensor of `manifest` inside a mapping (writable if the mapping is)."""
-    return {t.name: _view(mm, t) for t in manifest.tensors}
+    buf = np.frombuffer(mm, np.uint8)
+    return {t.name: _view(buf, t) for t in manifest.tensors}
 
 
-def _view(mm: mmap.mmap, spec: TensorSpec) -> np.ndarray:
+def _view(buf: np.ndarray, spec: TensorSpec) -> np.ndarray:
     dtype = numpy_dtype(spec.dtype)
     if spec.nbytes == 0:  # frombuffer rejects an offset at the very end of the buffer
         view = np.zeros(spec.shape, dtype)
         view.flags.writeable = False
         return view
-    flat = np.frombuffer(mm, dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=spec.offset)
-    return flat.reshape(spec.shape)
+    return buf[spec.offset : spec.offset + spec.nbytes].view(dtype).reshape(spec.shape)

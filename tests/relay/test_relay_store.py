@@ -93,3 +93,29 @@ def test_short_segment_rejected(segment_name):
     too_big = store.plan_layout(version=1, segment=segment_name, tensors=[("a", (65,), "int8")])
     with pytest.raises(ValueError, match="needs 128"):
         store.open_version(too_big)
+
+
+def test_a_reused_segment_is_mapped_once_and_locked_only_while_read(segment_name):
+    # A relay renames a retired segment and writes the next version into it: the reader
+    # reuses its mapping, yet holds the segment's lock only while it reads.
+    first = {"w": np.full((1000,), 1.0, np.float32)}
+    manifest = layout_of(first, 1, segment_name)
+    write(manifest, first)
+    views = store.open_version(manifest)
+    assert store.has_readers(segment_name)
+    mapping = views["w"].base.base.obj  # view -> locked array -> memoryview -> mmap
+    del views
+    assert not store.has_readers(segment_name)
+    reused = f"{segment_name}-reused"
+    store.rename_segment(segment_name, reused)
+    try:
+        with pytest.raises(FileNotFoundError):
+            store.open_version(manifest)
+        second = {"w": np.full((1000,), 2.0, np.float32)}
+        with open(store.SHM_DIR / reused, "r+b") as f:  # the writer fills the reused one
+            f.write(second["w"].tobytes())
+        views = store.open_version(layout_of(second, 2, reused))
+        np.testing.assert_array_equal(views["w"], second["w"])
+        assert views["w"].base.base.obj is mapping
+    finally:
+        store.unlink_segment(reused)
