@@ -76,22 +76,31 @@ class RelayClient:
         specs = [(n, a.shape, str(a.dtype)) for n, a in arrays.items()]
         layout, slot = self._slot_for(int(version), specs, timeout_s)
         views = store.tensor_views(slot.mm, layout)
-        if layout.segment == self._published_segment:
-            self.last_published = self._published_segment = None
         slot.lock(timeout_s, self.address)
+        if layout.segment == self._published_segment:  # about to be overwritten
+            self.last_published = self._published_segment = None
         try:
-            for name, a in arrays.items():
-                if a.size:  # the view of an empty tensor is a read-only placeholder
-                    np.copyto(views[name], a, casting="no")
+            # The commit goes out first, so its round trip overlaps the copy: the relay
+            # answers at once and takes the slot's lock once we let go of it.
+            self._send({"op": "commit", "version": int(version), "segment": layout.segment,
+                        "tensors": _tensor_specs(arrays), "wait": wait}, [], timeout_s)
+            try:
+                for name, a in arrays.items():
+                    if a.size:  # the view of an empty tensor is a read-only placeholder
+                        np.copyto(views[name], a, casting="no")
+            except BaseException:
+                self.close()  # its reply is not awaited; the relay drops the unwritten version
+                raise
+            slot.marks[store.SLOT_WRITTEN] = version
         finally:
             fcntl.flock(slot.fd, fcntl.LOCK_UN)
         try:
-            self._request({"op": "commit", "version": int(version), "segment": layout.segment,
-                           "tensors": _tensor_specs(arrays), "wait": wait}, [], timeout_s)
+            self._reply("commit", timeout_s)
         except RelayError as err:
             if not isinstance(err, RelayTimeout):  # e.g. the relay replaced the slot
                 self._forget_slot(layout.segment)
             raise
+        slot.pending = int(version)
         self.last_published, self._published_segment = (int(version), views), layout.segment
 
     def _slot_for(self, version: int, specs: list, timeout_s: float
@@ -102,7 +111,7 @@ class RelayClient:
         for segment, slot in self._lent.items():
             if segment != avoid:
                 layout = store.plan_layout(version=version, segment=segment, tensors=specs)
-                if layout.total_bytes <= len(slot.mm):
+                if layout.total_bytes <= slot.capacity:
                     return layout, slot
         reply = self._request({"op": "reserve", "version": version, "avoid": avoid,
                                "tensors": [{"name": n, "shape": list(shape), "dtype": dtype}
@@ -112,7 +121,7 @@ class RelayClient:
         for segment in [s for s in self._lent if s not in (layout.segment, avoid)]:
             self._forget_slot(segment)  # replaced by the relay
         slot = self._lent.get(layout.segment)
-        if slot is None or len(slot.mm) < layout.total_bytes:
+        if slot is None or slot.capacity < layout.total_bytes:
             slot = self._lent[layout.segment] = _LentSlot.open(layout.segment)
         return layout, slot
 
@@ -182,14 +191,25 @@ class RelayClient:
 
     def _request(self, header: dict, frames: list, timeout_s: float | None) -> dict:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        op = header["op"]
+        self._send(header, frames, timeout_s)
+        return self._reply(header["op"], timeout_s)
+
+    def _send(self, header: dict, frames: list, timeout_s: float) -> None:
         sock = self._socket()
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         try:
             # copy=False hands the arrays' memory to ZeroMQ without copying; the reply
             # comes only after the relay has read every frame, so the arrays are free
-            # to change once this returns.
+            # to change once it is in.
             sock.send_multipart([json.dumps(header).encode(), *frames], copy=False)
+        except zmq.Again:
+            self.close()
+            raise RelayTimeout(f"relay {self.address} did not take {header['op']!r} "
+                               f"within {timeout_s:g} s") from None
+
+    def _reply(self, op: str, timeout_s: float) -> dict:
+        sock = self._socket()
+        try:
             if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
                 raise zmq.Again()
             reply = json.loads(sock.recv())
@@ -209,30 +229,39 @@ def _tensor_specs(arrays: Mapping[str, np.ndarray]) -> list[dict]:
 
 @dataclasses.dataclass(eq=False)
 class _LentSlot:
-    """An inbox slot of the relay, mapped writable here; `fd` carries the slot's lock."""
+    """An inbox slot of the relay, mapped writable here; `fd` carries the slot's lock,
+    `marks` the versions last written here and taken by the relay (`store.slot_marks`)."""
 
     mm: mmap.mmap
     fd: int
+    marks: np.ndarray
+    pending: int | None = None  # the version last handed off in it
 
     @classmethod
     def open(cls, segment: str) -> _LentSlot:
         fd = os.open(store.SHM_DIR / segment, os.O_RDWR)
-        return cls(mm=mmap.mmap(fd, os.fstat(fd).st_size,
-                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), fd=fd)
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        return cls(mm=mm, fd=fd, marks=store.slot_marks(mm))
+
+    @property
+    def capacity(self) -> int:
+        return len(self.mm) - store.SLOT_TAIL
 
     def lock(self, timeout_s: float, address: str) -> None:
-        """Take the slot's lock, held by the relay while it copies the slot out (about
-        one memory copy; a relay that dies drops it)."""
+        """Take the slot's lock once the relay has taken the version handed off in it
+        before and copied it out (about one memory copy; a relay that dies drops it)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RelayTimeout(f"relay {address} did not free its inbox slot "
-                                       f"within {timeout_s:g} s") from None
-                time.sleep(50e-6)
+            if self.pending is None or self.marks[store.SLOT_TAKEN] >= self.pending:
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RelayTimeout(f"relay {address} did not free its inbox slot "
+                                   f"within {timeout_s:g} s")
+            time.sleep(50e-6)
 
 
 def _c_contiguous(a: np.ndarray) -> np.ndarray:

@@ -137,9 +137,10 @@ class Slot:
     content is copied out."""
 
     segment: str
-    size: int
+    size: int  # usable bytes, before the marks (`store.slot_marks`)
     buf: np.ndarray
     fd: int
+    marks: np.ndarray
     busy: bool = False
 
 
@@ -377,9 +378,12 @@ class Relay:
                 os.close(small.fd)
             self._slot_gen += 1
             segment = f"{segment_prefix(self.name)}{self.pid}-inbox{self._slot_gen}"
-            mm = await asyncio.to_thread(store.create_segment, segment, size, populate=True)
+            mm = await asyncio.to_thread(store.create_segment, segment,
+                                         size + store.SLOT_TAIL, populate=True)
             slot = Slot(segment=segment, size=size, buf=np.frombuffer(mm, np.uint8),
-                        fd=os.open(store.SHM_DIR / segment, os.O_RDWR))
+                        fd=os.open(store.SHM_DIR / segment, os.O_RDWR),
+                        marks=store.slot_marks(mm))
+            slot.marks[:] = -1
             self.slots.append(slot)
         layout = self._layout(header, slot.segment)
         return {"ok": True, "manifest": json.loads(layout.to_json()), "inbox_slots": limit}
@@ -395,15 +399,7 @@ class Relay:
             return {"ok": False, "error": f"version {version} needs {layout.total_bytes} "
                     f"bytes, inbox slot {segment} has {slot.size}"}
         self._check_newer(version)
-        try:
-            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return {"ok": False, "error": f"{segment} is still locked by its writer"}
-        try:
-            held = self.begin(layout)
-        except BaseException:
-            fcntl.flock(slot.fd, fcntl.LOCK_UN)
-            raise
+        held = self.begin(layout)
         held.handed_off = True
         slot.busy = True
         task = self.spawn(self._fill_from(held, slot))
@@ -414,9 +410,15 @@ class Relay:
         return {"ok": True, "version": version}
 
     async def _fill_from(self, held: Held, slot: Slot | None) -> None:
-        """Checksum `held` chunk by chunk (copying it out of `slot` first, if given); the
-        forwarder streams each chunk downstream as soon as it is ready."""
+        """Checksum `held` chunk by chunk (copying it out of `slot` first, if given, once
+        its writer has let go of it); the forwarder streams each chunk downstream as soon
+        as it is ready."""
+        locked = False
         try:
+            if slot is not None:
+                locked = await self._take_slot(slot, held)
+                if not locked:
+                    return
             ranges = store.chunk_ranges(held.manifest.total_bytes, held.manifest.chunk_bytes)
             for lo, hi in ranges:
                 if held.state != "filling":
@@ -431,8 +433,31 @@ class Relay:
         finally:
             if slot is not None:
                 slot.busy = False
-                fcntl.flock(slot.fd, fcntl.LOCK_UN)  # the publisher may write it again
+                if locked:
+                    fcntl.flock(slot.fd, fcntl.LOCK_UN)  # the publisher may write it again
                 await self.notify()
+
+    async def _take_slot(self, slot: Slot, held: Held) -> bool:
+        """Lock `slot` once its writer has let go; abandon `held` (False) if the writer
+        did not finish writing it, or holds on past the chunk timeout."""
+        deadline = asyncio.get_running_loop().time() + self.cfg.chunk_timeout_s
+        while True:
+            try:
+                fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if asyncio.get_running_loop().time() > deadline:
+                    self.abort(held, "its publisher did not finish writing it in time")
+                    return False
+                # The publisher is copying (about one memory copy); poll, as a thread
+                # blocked in flock could not be called off.
+                await asyncio.sleep(100e-6)
+        slot.marks[store.SLOT_TAKEN] = held.version
+        if slot.marks[store.SLOT_WRITTEN] != held.version:
+            self.abort(held, "its publisher stopped before it had written it")
+            fcntl.flock(slot.fd, fcntl.LOCK_UN)
+            return False
+        return True
 
     async def set_chain(self, header: dict) -> dict:
         if int(header["epoch"]) < self.chain["epoch"]:

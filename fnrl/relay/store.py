@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import json
 import mmap
 import os
@@ -151,20 +152,30 @@ def plan_layout(
     *, version: int, segment: str, tensors: Iterable[tuple[str, tuple[int, ...], str]]
 ) -> VersionManifest:
     """Place `(name, shape, dtype)` tensors back to back at 64-byte aligned offsets."""
+    key = tuple((str(name), tuple(int(x) for x in shape), str(dtype))
+                for name, shape, dtype in tensors)
+    try:
+        specs, total = _plan_offsets(key)
+    except ValueError as err:
+        raise ValueError(f"{err} in version {version}") from None
+    return VersionManifest(version=version, segment=segment, tensors=specs, total_bytes=total)
+
+
+@functools.lru_cache(maxsize=16)
+def _plan_offsets(tensors: tuple) -> tuple[tuple[TensorSpec, ...], int]:
+    # Cached: every version of a run has the same layout, and planning one of a few
+    # hundred tensors costs more than the hand-off's message.
     specs, offset, seen = [], 0, set()
     for name, shape, dtype in tensors:
         if name in seen:
-            raise ValueError(f"tensor name {name!r} appears twice in version {version}")
+            raise ValueError(f"tensor name {name!r} appears twice")
         seen.add(name)
-        shape = tuple(int(x) for x in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(dtype).itemsize
         specs.append(
             TensorSpec(name=name, shape=shape, dtype=dtype, offset=offset, nbytes=nbytes)
         )
         offset = _align(offset + nbytes)
-    return VersionManifest(
-        version=version, segment=segment, tensors=tuple(specs), total_bytes=offset
-    )
+    return tuple(specs), offset
 
 
 def create_segment(segment: str, size: int, *, populate: bool = False) -> mmap.mmap:
@@ -304,6 +315,17 @@ def has_readers(segment: str) -> bool:
         return True
     finally:
         os.close(fd)  # releases our lock, if we got it
+
+
+# An inbox slot (the trainer's hand-off segment) ends in two int64 marks: the version its
+# writer last finished writing, and the version the relay last took (locked to copy out).
+SLOT_TAIL = ALIGNMENT
+SLOT_WRITTEN, SLOT_TAKEN = 0, 1
+
+
+def slot_marks(mm: mmap.mmap) -> np.ndarray:
+    """The `[written, taken]` marks at the end of an inbox slot's mapping."""
+    return np.frombuffer(mm, np.int64, count=2, offset=len(mm) - SLOT_TAIL)
 
 
 def tensor_views(mm: mmap.mmap, manifest: VersionManifest) -> dict[str, np.ndarray]:

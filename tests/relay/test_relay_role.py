@@ -173,3 +173,32 @@ def test_relay_whose_address_is_taken_exits_with_its_error(tmp_path):
             if proc.poll() is None:
                 proc.kill()
     assert "Address already in use" in (tmp_path / "relay.log").read_text()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_publisher_stopped_mid_copy_hands_nothing_over(relay, monkeypatch):
+    # The commit goes out before the copy: a publisher that fails while copying must leave
+    # the relay with its last version, not a torn one, and can publish again afterwards.
+    with RelayClient(relay.address, timeout_s=5) as client:
+        client.publish(1, weights(1), wait="held")
+        real_copyto = np.copyto
+
+        def copy_half(dst, src, **kw):
+            copy_half.calls += 1
+            if copy_half.calls > 2:
+                raise _Interrupted
+            real_copyto(dst, src, **kw)
+
+        copy_half.calls = 0
+        monkeypatch.setattr(np, "copyto", copy_half)
+        with pytest.raises(_Interrupted):
+            client.publish(2, weights(2), wait="held")
+        monkeypatch.undo()
+        time.sleep(0.5)  # the relay takes the slot, finds it unwritten, drops version 2
+        assert client.latest().version == 1
+        assert_bit_exact(store.open_version(client.latest()), weights(1))
+        client.publish(3, weights(3), wait="visible")
+        assert_bit_exact(store.open_version(client.latest()), weights(3))
