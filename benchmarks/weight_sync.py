@@ -1,6 +1,6 @@
 """Weight synchronisation through the relay tier, measured side by side in one run.
 
-    python benchmarks/weight_sync.py [--sizes-mb 10 100 500 2048] [--max-p 8]
+    python benchmarks/weight_sync.py [--sizes-mb 10 100 500 2048] [--max-p 8] [--runs 4]
 
 For each weight size it prints, beside its reference:
   1. the trainer's stall per publish (hand-off to the master relay through shared memory)
@@ -12,7 +12,8 @@ For each weight size it prints, beside its reference:
      hosts, as in Laminar, each relay has its own);
   3. a rollout's pull-to-serving time (ask the local relay, map the version, copy it into
      preallocated serving parameters as vLLM's reload does) against one memory copy into
-     those parameters (goal <= 3x).
+     those parameters (goal <= 3x); each pull reads a newly published version, as a
+     rollout does, in a segment the relay recycled.
 Configurations that would not fit in 70% of the available memory are skipped and say so
 (each relay holds its newest version plus a populated spare segment for the next).
 """
@@ -83,8 +84,9 @@ def wait_spares(addresses: list[str], timeout_s: float = 120.0) -> None:
                 time.sleep(0.02)
 
 
-def stall_and_pull(size: int, log_dir: str) -> dict:
-    """Trainer stall and pull-to-serving on one master relay."""
+def stall_and_pull(size: int, log_dir: str, runs: int = 4) -> dict:
+    """Trainer stall and pull-to-serving on one master relay, `runs` of each after a
+    warm-up."""
     cfg = RelayConfig(num_relays=1, keep_versions=1, inbox_slots=1)
     tier = RelayTier.launch(cfg, log_dir, prefix=f"bs{size // MIB}r")
     try:
@@ -97,7 +99,7 @@ def stall_and_pull(size: int, log_dir: str) -> dict:
         dst = {k: np.ones_like(a) for k, a in src.items()}
         # Reference and measurement alternate, so load from other jobs hits both alike.
         refs, stalls = [], []
-        for version in range(5):  # the first publish maps the inbox slot: warm-up
+        for version in range(runs + 1):  # the first publish maps the inbox slot: warm-up
             wait_spares(tier.addresses)
             refs.append(memcpy_s(src, dst))
             t = time.perf_counter()
@@ -107,16 +109,14 @@ def stall_and_pull(size: int, log_dir: str) -> dict:
         del dst  # one reference destination at a time: 2 GB fits in less memory
         serving = {k: torch.zeros(a.shape, dtype=torch.float32) for k, a in src.items()}
         serving_np = {k: t.numpy() for k, t in serving.items()}
-        # Pull: what fnrl_pull does, with vLLM's parameter copy done by torch here.
         pull_refs, pulls = [], []
-        for _ in range(5):
+        for version in range(runs + 1, 2 * runs + 2):  # the first pull maps: warm-up
+            master.publish(version, src, wait="visible")
+            wait_spares(tier.addresses)
             pull_refs.append(memcpy_s(src, serving_np))
             t = time.perf_counter()
-            arrays = store.open_version(master.latest())
-            for name, view in torch_views(arrays):
-                serving[name].copy_(view)
+            pull(master, serving)
             pulls.append(time.perf_counter() - t)
-            del arrays
         master.close()
         return {"ref": statistics.median(refs[1:]), "stall": statistics.median(stalls[1:]),
                 "stall_ratio": statistics.median(s / r for s, r in zip(stalls[1:], refs[1:])),
@@ -124,6 +124,14 @@ def stall_and_pull(size: int, log_dir: str) -> dict:
                 "pull_ratio": statistics.median(p / r for p, r in zip(pulls[1:], pull_refs[1:]))}
     finally:
         tier.stop()
+
+
+def pull(relay: RelayClient, serving: dict[str, torch.Tensor]) -> None:
+    """What fnrl_pull does, with vLLM's parameter copy done by torch here. The views die
+    on return, and with them this reader's lock: the relay can recycle the segment."""
+    arrays = store.open_version(relay.latest())
+    for name, view in torch_views(arrays):
+        serving[name].copy_(view)
 
 
 def broadcast(size: int, max_p: int, log_dir: str) -> list[tuple[float, float]]:
@@ -173,6 +181,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500, 2048])
     parser.add_argument("--max-p", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=4,
+                        help="measured stalls and pulls per size (medians are printed)")
     args = parser.parse_args()
     chunk = RelayConfig().chunk_bytes
     cores = len(os.sched_getaffinity(0))
@@ -185,7 +195,7 @@ def main() -> None:
 
     print("## 1. trainer stall per publish vs one memcpy (goal <= 1.5x)  and"
           "  3. pull-to-serving vs one memcpy (goal <= 3x)")
-    print("# medians of 4 runs; ratios are medians of per-run ratios (reference measured")
+    print(f"# medians of {args.runs} runs; ratios are medians of per-run ratios (reference measured")
     print("# right before each run: this box is shared and its load moves both alike)")
     print("# stall/cp: against a copy into warm numpy memory; pull/cp: against a copy into the")
     print("# serving parameters (torch), the copy vLLM's reload makes in any case")
@@ -197,7 +207,7 @@ def main() -> None:
             print(f"{mb:>6}MB  skipped (memory: needs ~{5 * mb} MB, 70% of available is "
                   f"{available_bytes() * 0.7 / MIB:.0f} MB)")
             continue
-        r = stall_and_pull(size, log_dir)
+        r = stall_and_pull(size, log_dir, args.runs)
         print(f"{mb:>6}MB {r['ref'] * 1e3:>7.1f}ms {r['stall'] * 1e3:>7.1f}ms "
               f"{r['stall_ratio']:>7.2f}x {r['pull_ref'] * 1e3:>7.1f}ms {r['pull'] * 1e3:>7.1f}ms "
               f"{r['pull_ratio']:>7.2f}x", flush=True)
