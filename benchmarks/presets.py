@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fnrl.config import (AlgoConfig, ModelConfig, RolloutConfig, RunConfig, TaskConfig,
-                         WarmStartConfig, save_json)
+from fnrl.config import (AlgoConfig, CoordinatorConfig, ModelConfig, RolloutConfig,
+                         RunConfig, TaskConfig, WarmStartConfig, save_json)
 from fnrl.experiments.presets import PRESETS, apply_preset
 
 ORDER = ("sync", "one_step", "partial_rollout", "laminar", "staleflow", "fnrl")
@@ -59,7 +59,9 @@ def base_config(args) -> RunConfig:
         rollout=RolloutConfig(num_servers=args.servers, groups_per_batch=args.groups,
                               kv_memory_fraction=0.05,
                               response_len=args.len_dist, len_median=args.len_median,
-                              len_sigma=args.len_sigma, len_max=96))
+                              len_sigma=args.len_sigma, len_max=96),
+        # Every preset keeps the engine's cost model (fnrl.experiments.presets._coord).
+        coord=CoordinatorConfig(cost_file=args.cost_file))
 
 
 _WARM = """
@@ -118,6 +120,9 @@ def main() -> int:
     parser.add_argument("--len-median", type=float, default=16.0)
     parser.add_argument("--len-sigma", type=float, default=1.0,
                         help="lognormal: σ of log-length; pareto: shape α (smaller: heavier)")
+    parser.add_argument("--cost-file", default="",
+                        help="fitted cost model for every preset (fnrl.policy.profile_cost; "
+                             "'auto': the model directory's)")
     parser.add_argument("--presets", default=",".join(ORDER))
     parser.add_argument("--out", default=f"runs/bench_presets-{time.strftime('%Y%m%d-%H%M%S')}")
     args = parser.parse_args()
