@@ -55,6 +55,7 @@ from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Group
 
 TICK_S = 0.1
 PULL_ATTEMPTS = 4
+PULL_RELAY_TIMEOUT_S = 10.0   # a dead relay is retried on a survivor after this
 
 
 class StalenessViolation(AssertionError):
@@ -262,7 +263,8 @@ class Controller:
             await rollout.pull_task
         await asyncio.gather(*rollout.evals, return_exceptions=True)
         if rollout.version < self.book.trainer_version:
-            rollout.version = await rollout.client.pull(self.relay_for(0))
+            rollout.version = await rollout.client.pull(
+                self.relay_for(0), min_version=self.book.trainer_version)
         await self._evaluate(rollout)
 
     # --- act ----------------------------------------------------------------------
@@ -317,8 +319,10 @@ class Controller:
                 return
             rollout.complete = 0
             # Waits only for tasks issued before it (so no two tasks wait on each other).
+            # The cycle planned with the trainer's newest version on this rollout.
             rollout.pull_task = self._spawn(self._pull(cmd.rid, list(rollout.streams),
-                                                       list(rollout.evals)))
+                                                       list(rollout.evals),
+                                                       self.book.trainer_version))
             counts["pulls"] += 1
         elif isinstance(cmd, Consume):
             self.journal.write("consume", version=cmd.version,
@@ -484,7 +488,7 @@ class Controller:
                                              [(gid, Group(rec.problem, tuple(trajs)))])
         self.table.rewarded.append(gid)
 
-    async def _pull(self, rid: int, streams: list, evals: list) -> None:
+    async def _pull(self, rid: int, streams: list, evals: list, version: int) -> None:
         rollout = self.rollouts[rid]
         if streams:
             await asyncio.wait(streams)   # interrupted streams have closed
@@ -493,10 +497,10 @@ class Controller:
         t0 = time.perf_counter()
         for attempt in range(PULL_ATTEMPTS):
             try:
-                # A live relay answers in milliseconds; a dead one must not hold the
-                # engine (which does not generate during a pull) for long.
-                rollout.version = await rollout.client.pull(self.relay_for(rid),
-                                                            relay_timeout_s=5.0)
+                # A live relay answers (and receives the version) within moments; a dead
+                # one must not hold the engine, which does not generate during a pull.
+                rollout.version = await rollout.client.pull(
+                    self.relay_for(rid), relay_timeout_s=PULL_RELAY_TIMEOUT_S, min_version=version)
                 break
             except ServerError:
                 if await self._lost(rid):

@@ -299,7 +299,8 @@ class Supervisor:
                                                    ctl.cfg.rollout.start_timeout_s)
             old = state.client
             state.client = RolloutClient(role.address, old.session, timeout_s=old.timeout_s)
-            state.version = await state.client.pull(ctl.relay_for(rid))
+            state.version = await state.client.pull(ctl.relay_for(rid),
+                                                    min_version=ctl.book.trainer_version)
 
         await self._retry(f"rollout{rid}", attempt)
         state.down = False

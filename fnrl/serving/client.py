@@ -179,7 +179,8 @@ class RolloutClient:
                     return int(blocks) * int(size)
         raise ServerError(f"server {self.base_url}: /metrics has no KV cache size")
 
-    async def pull(self, relay_address: str, *, relay_timeout_s: float = 30.0) -> int:
+    async def pull(self, relay_address: str, *, relay_timeout_s: float = 30.0,
+                   min_version: int = -1) -> int:
         """Load the relay's latest weights in place; returns the version now served.
 
         The engine does not generate while the worker asks the relay and reloads.
@@ -190,7 +191,7 @@ class RolloutClient:
         rpc = {
             "method": "fnrl_pull",
             "args": [relay_address],
-            "kwargs": {"timeout_s": relay_timeout_s},
+            "kwargs": {"timeout_s": relay_timeout_s, "min_version": min_version},
         }
         timeout_s = self.control_timeout_s + relay_timeout_s
         results = (await self._post("/collective_rpc", rpc, timeout_s))["results"]

@@ -44,13 +44,19 @@ def torch_views(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, torch.T
 class RelayWeightLoader:
     """Methods added to every vLLM worker; state lives on the worker object."""
 
-    def fnrl_pull(self, relay_address: str, timeout_s: float = 30.0) -> int:
+    def fnrl_pull(self, relay_address: str, timeout_s: float = 30.0, min_version: int = -1) -> int:
         """Load the relay's latest version in place; returns the version now served.
 
-        A no-op when the relay has nothing newer than what this worker serves.
+        `min_version`: first wait (up to `timeout_s`) until the relay holds that version.
+        A relay down the chain receives a version a little after the master; the
+        coordinator plans with the trainer's newest version, so a pull must not load an
+        older one it happens to see first. A no-op when the relay has nothing newer than
+        what this worker serves.
         """
         timeout_s = float(timeout_s)  # collective_rpc over HTTP passes strings
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:
+            if int(min_version) > self.fnrl_version():
+                relay.wait_version(int(min_version), timeout_s=timeout_s)
             for _ in range(_OPEN_ATTEMPTS):
                 manifest = relay.latest()
                 if manifest is None or manifest.version <= self.fnrl_version():
