@@ -61,9 +61,8 @@ def recover(ctl: "Controller") -> None:
         items = [ctl.pool.get(u) if u in ctl.pool else None for u in g.uids]
         versions = [s.version for it in items if it for s in it.segments if s.token_ids]
         if not versions:
-            for it, tid in zip(items, rec.tids):
-                if it is not None:
-                    ctl.pool.drop(it.uid)
+            for it in filter(None, items):   # nothing streamed: start the group afresh
+                ctl.pool.drop(it.uid)
             continue
         v_group = min(versions)
         if v_group + eta < ctl.book.trainer_version:

@@ -70,7 +70,6 @@ class Outage:
     detected_s: float
     ready_s: float | None = None
     reason: str = ""
-    injected: bool = False
 
 
 @dataclass
@@ -110,13 +109,11 @@ class Supervisor:
         return time.perf_counter() - self.ctl._t0
 
     def start(self, step: int) -> None:
-        """The loop starts: every role counts as started at `step`."""
+        """The loop starts: every role is in its first step (a fresh history)."""
         now = self.now()
         names = ["trainer"] + [f"rollout{r}" for r in range(len(self.ctl.rollouts))]
-        for name in names:
-            self.watches[name] = Watch(last_progress_s=now, last_heartbeat_s=now)
-            self.history = F.role_started(self.history, name, step)
-        self.history = F.FaultHistory(job_step=step, started_at=self.history.started_at)
+        self.watches = {name: Watch(last_progress_s=now, last_heartbeat_s=now) for name in names}
+        self.history = F.FaultHistory()
         if self.cfg.trainer_standby:
             self.ctl._spawn(self.start_standby())
 
@@ -187,8 +184,7 @@ class Supervisor:
             if isinstance(decision, F.RestartJob):
                 self.outages.append(Outage(failure.role, start, now, reason=failure.reason))
                 raise JobRestart(decision.reason)
-            self.outages.append(Outage(failure.role, start, now, reason=failure.reason,
-                                       injected=start != now))
+            self.outages.append(Outage(failure.role, start, now, reason=failure.reason))
             self._restart(failure.role)
 
     # --- restarts -------------------------------------------------------------------
@@ -209,7 +205,7 @@ class Supervisor:
         now = self.now()
         w.restarting = False
         w.last_progress_s = w.last_heartbeat_s = now
-        self.history = F.role_started(self.history, role, self.ctl.book.trainer_version)
+        self.history = F.role_started(self.history, role)
         outage = next(o for o in reversed(self.outages) if o.role == role and o.ready_s is None)
         outage.ready_s = now
         self.record("recovered", role=role, down_s=now - outage.start_s,

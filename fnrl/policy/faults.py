@@ -194,27 +194,18 @@ class RestartJob:
 
 @dataclass(frozen=True)
 class FaultHistory:
-    """What escalation remembers: where each role (re)started, its failures by step,
-    and its failed restarts. `job_step` is the step the job (re)started at."""
+    """What escalation remembers: which roles made progress since they (re)started, the
+    (role, step) of every failure, and one entry per failed restart of a role."""
 
-    job_step: int = 0
-    started_at: tuple[tuple[str, int], ...] = ()        # role -> step of its last start
-    progressed: frozenset[str] = frozenset()            # roles that made progress since
-    failures: tuple[tuple[str, int], ...] = ()          # (role, step) of every failure
-    restart_failures: tuple[tuple[str, int], ...] = ()  # role -> failed restarts
-
-    def _get(self, table, role: str, default: int) -> int:
-        return next((v for k, v in table if k == role), default)
-
-    def _set(self, table, role: str, value: int):
-        return tuple((k, v) for k, v in table if k != role) + ((role, value),)
+    progressed: frozenset[str] = frozenset()
+    failures: tuple[tuple[str, int], ...] = ()
+    restart_failures: tuple[str, ...] = ()
 
 
-def role_started(h: FaultHistory, role: str, step: int) -> FaultHistory:
-    """A role (re)started successfully at `step`: its first step begins."""
-    return dataclasses.replace(h, started_at=h._set(h.started_at, role, step),
-                               progressed=h.progressed - {role},
-                               restart_failures=h._set(h.restart_failures, role, 0))
+def role_started(h: FaultHistory, role: str) -> FaultHistory:
+    """A role (re)started successfully: its first step begins, its failed restarts end."""
+    return dataclasses.replace(h, progressed=h.progressed - {role},
+                               restart_failures=tuple(r for r in h.restart_failures if r != role))
 
 
 def role_progressed(h: FaultHistory, role: str) -> FaultHistory:
@@ -223,8 +214,7 @@ def role_progressed(h: FaultHistory, role: str) -> FaultHistory:
 
 
 def restart_failed(h: FaultHistory, role: str) -> FaultHistory:
-    n = h._get(h.restart_failures, role, 0) + 1
-    return dataclasses.replace(h, restart_failures=h._set(h.restart_failures, role, n))
+    return dataclasses.replace(h, restart_failures=h.restart_failures + (role,))
 
 
 def escalate(h: FaultHistory, failure: Failure, *, step: int,
@@ -246,4 +236,4 @@ def escalate(h: FaultHistory, failure: Failure, *, step: int,
 
 def restart_gave_up(h: FaultHistory, role: str, cfg: FaultConfig) -> bool:
     """After a failed restart: true when the role may not be tried again (rule 3)."""
-    return h._get(h.restart_failures, role, 0) > cfg.max_restart_failures
+    return h.restart_failures.count(role) > cfg.max_restart_failures

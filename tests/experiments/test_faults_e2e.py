@@ -27,6 +27,13 @@ def _events(run_dir):
     return [json.loads(l) for l in (run_dir / "faults.jsonl").read_text().splitlines()]
 
 
+def _run_two_rollouts(run_dir, cache_dir, steps: int, *flags: str) -> int:
+    """The main job, in this process, with two rollouts, the small model and `flags`."""
+    return main(["--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
+                 "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2", *flags,
+                 *SMALL])
+
+
 def assert_nothing_lost(run_dir, *, steps: int, eta: int):
     train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert train and max(r["step"] for r in train) == steps
@@ -68,14 +75,11 @@ def assert_nothing_lost(run_dir, *, steps: int, eta: int):
 def test_role_kills_trainer_rollout_and_relays_are_survived(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     steps = 8
-    assert main([
-        "--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
-        "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
+    assert _run_two_rollouts(run_dir, cache_dir, steps,
         "--relay.num-relays", "3",
         # trainer mid-step at 3 and 6; rollout 1 mid-generation at 4; the middle relay
         # at 5; the master relay at 7 (a new master is elected, the trainer follows it).
-        "--faults.inject", "trainer:every=3", "rollout1:at=4", "relay1:at=5", "relay0:at=7",
-        *SMALL]) == 0
+        "--faults.inject", "trainer:every=3", "rollout1:at=4", "relay1:at=5", "relay0:at=7") == 0
     events = _events(run_dir)
     recovered = {e["role"] for e in events if e["event"] == "recovered"}
     assert recovered == {"trainer", "rollout1"}
@@ -111,13 +115,11 @@ def test_hung_roles_are_found_by_their_detection_windows(tmp_path, cache_dir):
     # trainer after trainer_hang_s without progress inside a training step.
     run_dir = tmp_path / "run"
     steps = 6
-    assert main([
-        "--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
-        "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
+    assert _run_two_rollouts(run_dir, cache_dir, steps,
         "--faults.inject", "rollout1:at=2:signal=stop", "trainer:at=4:signal=stop",
         "--faults.rollout-stall-s", "3", "--faults.heartbeat-timeout-s", "2",
         # The hang window must exceed a real step, the first (compiling) one included.
-        "--faults.trainer-hang-s", "30", *SMALL]) == 0
+        "--faults.trainer-hang-s", "30") == 0
     events = _events(run_dir)
     reasons = {e["role"]: e["reason"] for e in events if e["event"] == "failure"}
     assert reasons.keys() == {"rollout1", "trainer"}

@@ -52,7 +52,7 @@ def _failure(role="trainer"):
 
 
 def test_escalation_rules():
-    h = F.role_started(F.FaultHistory(), "trainer", 0)
+    h = F.role_started(F.FaultHistory(), "trainer")
     # Rule 1: failure in the first step after the job started.
     _, d = F.escalate(h, _failure(), step=0, cfg=CFG)
     assert isinstance(d, F.RestartJob) and "first step" in d.reason
@@ -60,7 +60,7 @@ def test_escalation_rules():
     h, d = F.escalate(h, _failure(), step=7, cfg=CFG)
     assert d == F.RestartRole("trainer", "exited")
     # Rule 1 again: the restarted trainer fails before finishing a step.
-    h = F.role_started(h, "trainer", 7)
+    h = F.role_started(h, "trainer")
     _, d = F.escalate(h, _failure(), step=7, cfg=CFG)
     assert isinstance(d, F.RestartJob)
     # Rule 2: it did progress, but fails a second time in step 7... (a retried step).
@@ -71,7 +71,7 @@ def test_escalation_rules():
     _, d = F.escalate(h2, _failure(), step=8, cfg=CFG)
     assert isinstance(d, F.RestartRole)
     # Another role's failure in the same step is independent.
-    h3 = F.role_progressed(F.role_started(h2, "rollout0", 0), "rollout0")
+    h3 = F.role_progressed(F.role_started(h2, "rollout0"), "rollout0")
     _, d = F.escalate(h3, _failure("rollout0"), step=7, cfg=CFG)
     assert isinstance(d, F.RestartRole)
 
@@ -82,12 +82,12 @@ def test_rule_3_one_failed_restart_is_retried_a_second_is_not():
     assert not F.restart_gave_up(h, "rollout1", CFG)
     h = F.restart_failed(h, "rollout1")
     assert F.restart_gave_up(h, "rollout1", CFG)
-    assert not F.restart_gave_up(F.role_started(h, "rollout1", 3), "rollout1", CFG)
+    assert not F.restart_gave_up(F.role_started(h, "rollout1"), "rollout1", CFG)
 
 
 def test_job_policy_restarts_the_job_on_every_failure():
     cfg = F.FaultConfig(policy="job")
-    h = F.role_progressed(F.role_started(F.FaultHistory(), "trainer", 0), "trainer")
+    h = F.role_progressed(F.role_started(F.FaultHistory(), "trainer"), "trainer")
     _, d = F.escalate(h, _failure(), step=5, cfg=cfg)
     assert isinstance(d, F.RestartJob)
 
