@@ -23,12 +23,11 @@ import time
 
 import numpy as np
 
+from fnrl.config import BalanceConfig, RepackConfig, RoutingConfig
 from fnrl.policy import staleness as st
-from fnrl.policy.balance import BalanceConfig
 from fnrl.policy.cycle import (CycleConfig, CycleState, decide_cycle, decide_cycle_traced,
                                init_cycle_state)
-from fnrl.policy.repack import RepackConfig
-from fnrl.policy.routing import RoutingConfig, SpeculativeState
+from fnrl.policy.routing import SpeculativeState
 from fnrl.types import ClusterSnapshot, Route
 
 R, G, BATCH, ETA, V_TRAIN = 1024, 16, 256, 3, 10

@@ -121,7 +121,7 @@ def main() -> int:
     parser.add_argument("--len-sigma", type=float, default=1.0,
                         help="lognormal: σ of log-length; pareto: shape α (smaller: heavier)")
     parser.add_argument("--cost-file", default="",
-                        help="fitted cost model for every preset (fnrl.policy.profile_cost; "
+                        help="fitted cost model for every preset (fnrl.experiments.profile_cost; "
                              "'auto': the model directory's)")
     parser.add_argument("--presets", default=",".join(ORDER))
     parser.add_argument("--out", default=f"runs/bench_presets-{time.strftime('%Y%m%d-%H%M%S')}")

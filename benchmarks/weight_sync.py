@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fnrl.relay import store  # noqa: E402
 from fnrl.relay.chain import ChainPlan  # noqa: E402
 from fnrl.relay.client import RelayClient  # noqa: E402
-from fnrl.relay.config import MIB, RelayConfig  # noqa: E402
+from fnrl.config import MIB, RelayConfig  # noqa: E402
 from fnrl.relay.tier import RelayTier  # noqa: E402
 from fnrl.serving.worker_ext import torch_views  # noqa: E402
 

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fnrl.data.arith import Problem
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its gold answer. `uid` is stable across runs for a given seed."""
+
+    uid: str
+    prompt: str
+    answer: str
+    level: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class ClusterSnapshot:
     Events since the previous snapshot:
       rewarded_gids        groups whose members are all finished and rewarded (Occupy)
       dropped_gids         groups the data path discards (filtering: Abort)
+      skipped_steps        Consumes the trainer took without updating (a non-finite
+                           loss or gradient): its version did not advance
     """
 
     now_s: float
@@ -114,6 +124,7 @@ class ClusterSnapshot:
     traj_len_N: np.ndarray
     rewarded_gids: tuple[int, ...] = ()
     dropped_gids: tuple[int, ...] = ()
+    skipped_steps: int = 0
 
     @property
     def num_rollouts(self) -> int:

@@ -53,3 +53,50 @@ def test_relay_flags_parse_and_survive_the_run_config_file(tmp_path):
     assert from_dict(RunConfig, json.loads((tmp_path / "config.json").read_text())) == cfg
     with pytest.raises(ValueError, match="RelayConfig.num_relays=0"):
         from_dict(RunConfig, {"relay": {"num_relays": 0}})
+
+
+def test_registered_names_match_the_registries():
+    """config is a leaf, so it keeps the registered names as tuples; they must not drift."""
+    from fnrl import config
+    from fnrl.losses import ADVANTAGES, LOSS_TERMS
+    from fnrl.losses.aggregation import AGGREGATIONS
+    from fnrl.losses.correction import CORRECTIONS
+    from fnrl.losses.kl import KL_ESTIMATORS
+    from fnrl.policy.samplers import SAMPLERS
+
+    def builtin(registry):   # leaves out terms a test or a user registered (docs/losses.md)
+        return sorted(k for k, fn in registry.items() if fn.__module__.startswith("fnrl."))
+
+    for names, registry in [(config.LOSS_TERM_NAMES, LOSS_TERMS),
+                            (config.ADVANTAGE_NAMES, ADVANTAGES),
+                            (config.AGGREGATION_NAMES, AGGREGATIONS),
+                            (config.KL_ESTIMATOR_NAMES, KL_ESTIMATORS),
+                            (config.SAMPLER_NAMES, SAMPLERS)]:
+        assert sorted(names) == builtin(registry)
+    assert config.CORRECTION_NAMES == CORRECTIONS
+
+
+def test_a_user_registered_loss_term_is_accepted():
+    from fnrl.config import AlgoConfig, known_names
+    from fnrl.losses import LOSS_TERMS, register
+
+    with pytest.raises(ValueError, match="AlgoConfig.loss_terms='mine'"):
+        AlgoConfig(loss_terms=(("mine", 1.0),))
+    register(LOSS_TERMS, "mine")(lambda logp_BxT, batch: (0.0, {}))
+    try:
+        assert "mine" in known_names("loss_terms")
+        assert AlgoConfig(loss_terms=(("mine", 1.0),)).loss_terms == (("mine", 1.0),)
+    finally:
+        LOSS_TERMS.pop("mine")
+
+
+def test_moved_config_values_name_field_and_value():
+    from fnrl.config import BalanceConfig, CostModel, FaultConfig, RepackConfig, RoutingConfig
+
+    for build, match in [(lambda: CostModel(k5=0.0), "CostModel.k5=0.0"),
+                         (lambda: RoutingConfig(phi_throughput=1.0), "RoutingConfig.phi_throughput=1.0"),
+                         (lambda: RepackConfig(period_s=0.0), "RepackConfig.period_s=0.0"),
+                         (lambda: BalanceConfig(max_moves=-1), "BalanceConfig.max_moves=-1"),
+                         (lambda: FaultConfig(policy="node"), "FaultConfig.policy='node'")]:
+        with pytest.raises(ValueError, match=match):
+            build()

@@ -6,13 +6,15 @@ records takes effect:
            (the prompt cursor is the number of fill records);
   drop     groups discarded for good (aborted, or uninformative under DAPO sampling);
   consume  a batch is sent to the trainer to train version → version + 1;
-  trained  the trainer returned that step.
+  trained  the trainer returned that step;
+  discard  a restarted controller dropped streamed tokens too stale for the bound.
 Together with the partial response pool (every streamed token and log-prob) and the
 trainer's newest checkpoint, `replay` rebuilds the controller's state: which groups
 are outstanding, which were consumed, and how far the prompt stream had gone. A
 `consume` without `trained` was applied exactly when the restored trainer's version is
 past it (the trainer checkpoints a step before it answers), so no batch is trained
-twice or lost. A torn last line (a crash mid-write) is ignored.
+twice or lost. A torn last line (a crash mid-write) is ignored, and cut off before
+the journal is appended to again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Replayed:
     consumed: frozenset[str] = frozenset()              # problem uids of trained groups
     dropped: frozenset[str] = frozenset()
     unlogged: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    trained_steps: int = 0                              # train steps done, skipped ones too
     """(version, problem uids) of batches the trainer applied but whose return the
     controller never saw: their consumption must still be logged."""
 
@@ -48,6 +51,21 @@ class Replayed:
         return [g for g in self.groups if g.problem["uid"] not in done]
 
 
+def _good_records(path: Path) -> tuple[list[dict], int]:
+    """The records before the first torn line, and the byte length they span."""
+    records, good = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break   # a torn tail: the action it recorded never happened
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good += len(line)
+    return records, good
+
+
 def replay(path: Path, *, trainer_version: int) -> Replayed:
     """The journal's state, given the version the trainer restored."""
     if not path.exists():
@@ -56,11 +74,8 @@ def replay(path: Path, *, trainer_version: int) -> Replayed:
     consumed: set[str] = set()
     dropped: set[str] = set()
     pending: dict[int, tuple[str, ...]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            break   # a torn tail: the action it recorded never happened
+    trained = 0
+    for r in _good_records(path)[0]:
         ev = r["ev"]
         if ev == "fill":
             groups.append(FilledGroup(r["problem"], tuple(r["uids"]), tuple(r["lens"])))
@@ -70,12 +85,14 @@ def replay(path: Path, *, trainer_version: int) -> Replayed:
             pending[r["version"]] = tuple(r["groups"])
         elif ev == "trained":
             consumed.update(pending.pop(r["version"], ()))
+            trained += 1
     unlogged = []
     for version, names in sorted(pending.items()):
         if version < trainer_version:   # the restored checkpoint holds this step
             consumed.update(names)
             unlogged.append((version, names))
-    return Replayed(tuple(groups), frozenset(consumed), frozenset(dropped), tuple(unlogged))
+    return Replayed(tuple(groups), frozenset(consumed), frozenset(dropped), tuple(unlogged),
+                    trained + len(unlogged))
 
 
 @dataclass
@@ -85,6 +102,11 @@ class Journal:
     _f: object = field(init=False, default=None)
 
     def __post_init__(self):
+        # Cut a torn tail before appending: a record written after it would fuse with
+        # the fragment, and the next replay would lose it and everything after.
+        if self.path.exists():
+            with open(self.path, "r+b") as f:
+                f.truncate(_good_records(self.path)[1])
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, ev: str, **fields) -> None:

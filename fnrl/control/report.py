@@ -1,69 +1,135 @@
-"""What the controller reports: per-step records, utilization and the run's summary,
-with the same keys under every preset so ablations compare key for key."""
+"""What the controller reports: per-step records, utilization, the effective training
+time ratio, and the run's summary over every attempt, with the same keys under every
+preset so ablations compare key for key.
+
+A run may take several attempts: the job runner restarts every role after an
+escalated failure, and a controller that was killed is re-run on the same run
+directory. Each attempt appends its start, its progress (every step, and every few
+seconds) and its end to attempts.jsonl, so the summary covers all of them; counts the
+summary reports are read back from the run's own logs (metrics.jsonl, faults.jsonl,
+trajectories.jsonl), not from the last controller's memory.
+"""
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from fnrl.control.loop import Controller
-
-
-def utilization(ctl: "Controller") -> dict:
-    """Idle ratios and KV use since the loop started; the same keys for every preset.
-    Evaluation time is not counted (it is not RL work)."""
-    b = ctl.book
-    wall = max(time.perf_counter() - ctl._t0 - b.time["eval_s"], 1e-9)
-    active = np.array([r.active_s for r in ctl.rollouts])
-    kv = np.array([r.kv_token_s / max(r.kv_capacity, 1.0) for r in ctl.rollouts])
-    return {"wall_s": wall, "trainer_idle_frac": 1.0 - b.time["train_call_s"] / wall,
-            "rollout_idle_frac": float(np.mean(1.0 - np.minimum(active / wall, 1.0))),
-            "kv_util": float(np.mean(kv / wall)),
-            "trained_tokens_total": b.trained_tokens,
-            "trained_tokens_per_s_cum": b.trained_tokens / wall}
-
-def log_step(ctl: "Controller", trainer_metrics: dict, stats: dict) -> None:
-    """One metrics.jsonl record per train step, and the progress bar."""
-    b = ctl.book
-    now = time.perf_counter()
-    record = {**{k: v for k, v in trainer_metrics.items()}, **stats,
-              "preset": ctl.cfg.preset or "custom",
-              "trained_tokens_per_s": stats["tokens"] / max(now - ctl._last_step_t, 1e-9),
-              "generated_tokens": b.generated_tokens,
-              "invalid_trajectories": b.invalid_trajectories,
-              **{f"time/{k}": v for k, v in b.time.items()},
-              **{k: b.counts[k] for k in COUNT_KEYS},
-              **utilization(ctl),
-              "rollout_versions": [r.version for r in ctl.rollouts]}
-    ctl._last_step_t = now
-    ctl.writer.write("train", b.trainer_version, record)
-    acc = b.last_eval["accuracy"] if b.last_eval else float("nan")
-    ctl._bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", acc=f"{100 * acc:.0f}%",
-                          stale=f"{stats['staleness_mean']:.2f}")
-    ctl._bar.update(1)
-
-def summary(ctl: "Controller", wall: float) -> dict:
-    """The run's summary.json (ETTR and recovery times from the supervisor)."""
-    b = ctl.book
-    # RL time: from the first cycle to the last step's return, evaluations excluded.
-    train_wall = max(ctl._last_train_end - ctl._t0 - ctl._eval_s_in_loop, 1e-9)
-    return {"steps": b.steps_done, "version": b.trainer_version, "last_eval": b.last_eval,
-            **ctl.supervisor.ettr(wall),
-            "invalid_trajectories": b.invalid_trajectories, "wall_s": wall,
-            "train_wall_s": train_wall, "trained_tokens": b.trained_tokens,
-            "trained_tokens_per_s": b.trained_tokens / train_wall,
-            "generated_tokens": b.generated_tokens,
-            **{k: b.counts[k] for k in COUNT_KEYS}, **utilization(ctl)}
-
+from fnrl.control.book import Book
 
 # Counters every preset reports, so runs compare key for key.
 COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
-          "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
-          "dynamic_sampling_dropped", "unfinished_at_end",
-          "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
-          "pulls_skipped_down", "evals_lost", "recovered_groups",
-          "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
-          "pull_retries")
+              "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
+              "dynamic_sampling_dropped", "unfinished_at_end", "skipped_updates",
+              "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
+              "pulls_skipped_down", "evals_lost", "recovered_groups",
+              "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
+              "pull_retries")
+
+
+def utilization(book: Book, rollouts: Sequence, wall_s: float) -> dict:
+    """Idle ratios and KV use over the loop's RL time (its wall time less evaluations)."""
+    rl_wall = max(wall_s - book.time["eval_s"], 1e-9)
+    active = np.array([r.active_s for r in rollouts])
+    kv = np.array([r.kv_token_s / max(r.kv_capacity, 1.0) for r in rollouts])
+    return {"rl_wall_s": rl_wall, "trainer_idle_frac": 1.0 - book.time["train_call_s"] / rl_wall,
+            "rollout_idle_frac": float(np.mean(1.0 - np.minimum(active / rl_wall, 1.0))),
+            "kv_util": float(np.mean(kv / rl_wall)),
+            "trained_tokens_total": book.trained_tokens,
+            "trained_tokens_per_s_cum": book.trained_tokens / rl_wall}
+
+
+def ettr(outages: Sequence, rollouts: Sequence, *, num_relays: int, wall_s: float) -> dict:
+    """RobustRL's effective training time ratio over one attempt: 1 − (role-seconds not
+    doing useful work) / (role-seconds in all). Units are the trainer, every rollout and
+    every relay. A role is not useful from its failure (or injected kill) until it is
+    back, and a rollout is not useful while it has nothing to do because the trainer is
+    down. Gap: the paper weights slices by the share of useful roles without a formula
+    (digest §5.1); counting relays as units and idle-by-outage rollouts as down is ours."""
+    units = 1 + len(rollouts) + num_relays
+    spans = [(o.role, o.start_s, o.ready_s if o.ready_s is not None else wall_s, o)
+             for o in outages]
+    down = sum(max(0.0, min(end, wall_s) - max(start, 0.0)) for _, start, end, _ in spans)
+    blocked = sum(r.blocked_s for r in rollouts)
+    by_kind: dict[str, list[float]] = {}
+    for role, start, end, o in spans:
+        if o.ready_s is not None:
+            kind = "trainer" if role == "trainer" else role.rstrip("0123456789")
+            by_kind.setdefault(kind, []).append(end - start)
+    return {"ettr": 1.0 - (down + blocked) / max(units * wall_s, 1e-9),
+            "role_down_s": down + blocked, "rollout_blocked_s": blocked, "ettr_units": units,
+            **{f"{k}_recovery_s_mean": float(np.mean(v)) for k, v in by_kind.items()},
+            **{f"{k}_recovery_s_max": float(np.max(v)) for k, v in by_kind.items()},
+            "recovery_after_detect_s_max": max((o.ready_s - o.detected_s for o in outages
+                                                if o.ready_s is not None), default=0.0)}
+
+
+def step_record(book: Book, rollouts: Sequence, trainer_metrics: dict, stats: dict, *,
+                preset: str, wall_s: float, since_last_step_s: float) -> dict:
+    """One metrics.jsonl record per train step."""
+    return {**trainer_metrics, **stats, "preset": preset,
+            "trained_tokens_per_s": stats["tokens"] / max(since_last_step_s, 1e-9),
+            "generated_tokens": book.generated_tokens,
+            "invalid_trajectories": book.invalid_trajectories,
+            **{f"time/{k}": v for k, v in book.time.items()},
+            **{k: book.counts[k] for k in COUNT_KEYS},
+            **utilization(book, rollouts, wall_s), "wall_s": wall_s,
+            "rollout_versions": [r.version for r in rollouts]}
+
+
+class Attempts:
+    """attempts.jsonl: one start, progress records and (unless killed) one end per
+    attempt. A killed attempt's last progress record bounds when it stopped."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "attempts.jsonl"
+        previous = read_jsonl(self.path)
+        self.attempt = 1 + max((r["attempt"] for r in previous), default=-1)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, event: str, epoch: float, **fields) -> None:
+        self._f.write(json.dumps({"attempt": self.attempt, "event": event, "epoch": epoch,
+                                  **fields}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def across_attempts(run_dir: Path) -> dict:
+    """ETTR and wall time over every attempt of the run: each attempt's own role down
+    time, plus every role down from the end of one attempt (its last record) until the
+    next one's loop started (roles restarting, or no controller at all)."""
+    records = read_jsonl(run_dir / "attempts.jsonl")
+    starts = {r["attempt"]: r["epoch"] for r in records if r["event"] == "start"}
+    last = {r["attempt"]: r for r in records if r["event"] in ("progress", "end")}
+    order = sorted(a for a in starts if a in last)
+    if not order:
+        return {}
+    units = last[order[-1]]["ettr_units"]
+    gaps = [starts[b] - last[a]["epoch"] for a, b in zip(order, order[1:])]
+    wall = last[order[-1]]["epoch"] - starts[order[0]]
+    down = sum(last[a]["role_down_s"] for a in order) + units * sum(gaps)
+    faults = read_jsonl(run_dir / "faults.jsonl")
+    return {"ettr": 1.0 - down / max(units * wall, 1e-9), "attempts": len(order),
+            "restart_gaps_s": gaps, "wall_s_all_attempts": wall, "role_down_s_all": down,
+            "failures": sum(r.get("event") == "failure" for r in faults),
+            "killed_attempts": sum(last[a]["event"] != "end" for a in order),
+            "consumed_groups_all": len(read_jsonl(run_dir / "trajectories.jsonl")),
+            "train_records_all": sum(r.get("kind") == "train"
+                                     for r in read_jsonl(run_dir / "metrics.jsonl"))}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSON-lines file (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

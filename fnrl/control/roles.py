@@ -15,17 +15,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from fnrl.control.lifetime import die_with_parent, reap_leftovers
-from fnrl.control.wire import RoleError, log_tail
-from fnrl.relay.config import RelayConfig
+from fnrl.config import RelayConfig
 from fnrl.relay.launch import relay_argv, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
-from fnrl.serving.server import ServerSpec, free_port, launch_server, wait_ready
+from fnrl.serving.server import ServerSpec, launch_server, wait_ready
+from fnrl.shell import procs
+from fnrl.shell.files import log_tail, write_atomic
+from fnrl.shell.net import free_port
+from fnrl.shell.procs import reap_leftovers
+from fnrl.shell.wire import RoleError
 
 
 @dataclass
@@ -40,10 +42,7 @@ SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal h
 
 
 def _spawn(name: str, argv: list[str], log_path: Path, address: str) -> RoleProcess:
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                preexec_fn=die_with_parent)
+    proc = procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     return RoleProcess(name, proc, log_path, address)
 
 
@@ -65,7 +64,7 @@ class Cluster:
         """Registers a role (replacing one of the same name) and records every pid in
         roles.json (for operators and tests)."""
         self.roles = [r for r in self.roles if r.name != role.name] + [role]
-        (self.run_dir / "roles.json").write_text(json.dumps(
+        write_atomic(self.run_dir / "roles.json", json.dumps(
             {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path)}
              for r in self.roles}, indent=2))
         return role
@@ -101,7 +100,7 @@ class Cluster:
         """Signal a role's process group: SIGKILL (a fault, injected or decided) or
         SIGSTOP (an injected hang)."""
         proc = self.role(name).proc
-        _signal_group(proc, sig)
+        procs.signal_group(proc, sig)
         if wait and sig == signal.SIGKILL:
             proc.wait()
 
@@ -137,7 +136,7 @@ class Cluster:
     def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:
         self._server_specs[rid] = spec
         log_path = self.run_dir / "logs" / f"rollout{rid}.log"
-        proc = launch_server(spec, log_path, preexec_fn=die_with_parent)
+        proc = launch_server(spec, log_path)
         role = RoleProcess(f"rollout{rid}", proc, log_path, f"http://{spec.host}:{spec.port}")
         return self._add(role)
 
@@ -169,24 +168,12 @@ class Cluster:
                 raise RoleError(f"{role.name} exited with code {code}{log_tail(str(role.log_path))}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every role, then SIGKILL what is left after the grace period."""
+        """SIGTERM every role, then SIGKILL what is left after the grace period. The
+        relay tier stops its own relays (a stopped or killed one's shared-memory
+        segments are unlinked too)."""
         if self.relay_tier is not None:
-            self.relay_tier.stop_monitor()
-        for role in self.roles:
-            if role.proc.poll() is None:
-                _signal_group(role.proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for role in self.roles:
-            try:
-                role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(role.proc, signal.SIGKILL)
-                role.proc.wait()
+            self.relay_tier.stop(grace_s)
+            relays = set(self.relay_tier.members)
+            self.roles = [r for r in self.roles if r.name not in relays]
+        procs.stop_all([r.proc for r in self.roles], grace_s)
         self.roles.clear()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass

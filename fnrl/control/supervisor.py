@@ -1,28 +1,25 @@
-"""Detect → Restart → Reconnect for the roles of a running job (RobustRL, seed 002).
+"""Detect → Restart → Reconnect for the roles of a running job (RobustRL, seed 002):
+the observing and acting halves; the deciding half is the pure fnrl.policy.faults.
 
-The controller calls `Supervisor.tick()` once per loop iteration. It freezes what it
-has observed of each role (process exit, reported exception, training-phase progress,
-rollout token progress, heartbeats) into `RoleHealth` values, asks the pure
-`fnrl.policy.faults.detect` / `escalate` what failed and what to do, and acts:
+Observe: what the controller has seen of each role since it (re)started (process exit,
+a step that raised, training-phase progress, rollout token progress, heartbeats)
+becomes `RoleHealth` values for `faults.decide_faults`. Act (called by the loop's `act`
+on each decision):
 
-- a rollout: it leaves routing at once (no KV room in the snapshot), its trajectories
-  go back to the trajectory server with every streamed token kept in the partial
-  response pool (the cycle routes them to live rollouts the staleness bound allows),
-  its server is killed and started again, pulls the newest weights from its relay,
-  and rejoins;
-- the trainer: its process is killed and started again; it restores the newest Orbax
-  checkpoint (saved every step, committed before a version is published, so the
-  versions rollouts see never go back) while rollouts keep generating, and the batch it
-  was training on is sent again (or accepted, if the step had been checkpointed);
-- relays: the relay tier's monitor splices a dead relay out of the chain or elects a
-  new master; the trainer's publisher follows the master, and rollouts pull from the
-  live relay nearest to them;
-- `RestartJob`: raised to the job runner, which restarts every role from the checkpoint
-  and the controller's journal.
+- a rollout: it leaves routing at once (no KV room in the snapshot), its trajectories go
+  back to the trajectory server with every streamed token kept in the partial response
+  pool, its server is replaced, pulls the newest weights from its relay, and rejoins;
+- the trainer: replaced (by its warm standby if it has one), restored from the newest
+  Orbax checkpoint (saved every step, committed before a version is published) while
+  rollouts keep generating; the batch it was training on is sent again (or accepted, if
+  the step had been checkpointed);
+- relays: the relay tier's monitor splices a dead relay out or elects a new master;
+  its repairs are read here as events, recorded and counted as the relay's down time;
+- `RestartJob`: raised as JobRestart to the job runner, which restarts every role from
+  the checkpoint and the controller's journal.
 
-It also injects faults (`--faults.inject`) and keeps each role's down time, from which
-the effective training time ratio is computed (RobustRL §5.1: each time slice weighted
-by the share of roles doing useful work; roles are the trainer and the rollouts).
+It also injects faults (`--faults.inject`) and keeps every outage, from which the
+report computes the effective training time ratio (fnrl.control.report.ettr).
 """
 
 from __future__ import annotations
@@ -31,19 +28,15 @@ import asyncio
 import json
 import os
 import signal
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from fnrl.control import wire
+from fnrl.control.book import Book, Services
+from fnrl.control.handles import RoleError, Roles, ServerError
+from fnrl.control.report import read_jsonl
 from fnrl.policy import faults as F
-from fnrl.serving.client import RolloutClient, ServerError
-from fnrl.serving.server import wait_ready
-
-if TYPE_CHECKING:
-    from fnrl.control.loop import Controller
 
 HEARTBEAT_S = 1.0
 
@@ -72,324 +65,213 @@ class Outage:
     reason: str = ""
 
 
-@dataclass
 class Supervisor:
-    ctl: "Controller"
-    cfg: F.FaultConfig
-    history: F.FaultHistory = field(default_factory=F.FaultHistory)
-    watches: dict[str, Watch] = field(default_factory=dict)
-    outages: list[Outage] = field(default_factory=list)
-    injections: tuple[F.Injection, ...] = ()
-    pending_kills: dict[str, float] = field(default_factory=dict)   # role -> injected kill time
-    standby: wire.RoleClient | None = None    # a spare trainer (warming up, or ready)
-    standby_ready: bool = False
-    _warming: bool = False
-    _rng: np.random.Generator | None = None
-    _injected: set = field(default_factory=set)
-    _log = None
-
-    def __post_init__(self):
-        self.injections = tuple(F.parse_injection(s) for s in self.cfg.inject)
-        self._rng = np.random.default_rng(self.cfg.seed)
-        path = self.ctl.run_dir / "faults.jsonl"
+    def __init__(self, cfg: F.FaultConfig, roles: Roles, *, book: Book, svc: Services,
+                 run_dir: Path):
+        self.cfg, self.roles, self.book, self.svc = cfg, roles, book, svc
+        self.history = F.FaultHistory()
+        self.watches: dict[str, Watch] = {}
+        self.outages: list[Outage] = []
+        self.injections = tuple(F.parse_injection(s) for s in cfg.inject)
+        F.check_injections(self.injections, roles.names())
+        self.pending_kills: dict[str, float] = {}   # role -> when an injected fault landed
+        self._rng = np.random.default_rng(cfg.seed)
+        self._relay_events_seen = 0
+        # Set by the loop: what to do with a failed or restarted rollout / trainer.
+        self.generation = self.training = None
+        path = run_dir / "faults.jsonl"
         # An injection fires once per (role, step), also across controller and job restarts.
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if r.get("event") == "inject_scheduled":
-                    self._injected.add((r["role"], r["step"]))
+        self._injected = {(r["role"], r["step"]) for r in read_jsonl(path)
+                          if r.get("event") == "inject_scheduled"}
         self._log = open(path, "a", buffering=1)
 
-    # --- time and bookkeeping ---------------------------------------------------------
-
-    def now(self) -> float:
-        return time.perf_counter() - self.ctl._t0
-
-    def start(self, step: int) -> None:
+    def start(self) -> None:
         """The loop starts: every role is in its first step (a fresh history)."""
-        now = self.now()
-        names = ["trainer"] + [f"rollout{r}" for r in range(len(self.ctl.rollouts))]
-        self.watches = {name: Watch(last_progress_s=now, last_heartbeat_s=now) for name in names}
+        now = self.svc.now()
+        names = ["trainer"] + [r.name for r in self.roles.rollouts]
+        self.watches = {n: Watch(last_progress_s=now, last_heartbeat_s=now) for n in names}
         self.history = F.FaultHistory()
-        if self.cfg.trainer_standby:
-            self.ctl._spawn(self.start_standby())
+        self._relay_events_seen = 0
+        self.svc.spawn(self._heartbeats())
 
     def record(self, event: str, **fields) -> None:
-        self._log.write(json.dumps({"t": self.now(), "event": event, **fields}) + "\n")
-        self.ctl.timeline.append({"t": self.now(), "event": f"fault:{event}", **fields})
+        self._log.write(json.dumps({"t": self.svc.now(), "epoch": self.svc.clock.epoch(),
+                                    "event": event, **fields}) + "\n")
+        self.svc.event(f"fault:{event}", **fields)
 
     def close(self) -> None:
         self._log.close()
 
-    def progressed(self, role: str) -> None:
-        w = self.watches.get(role)
-        if w is not None:
-            w.last_progress_s = self.now()
+    def down(self, role: str) -> bool:
+        return any(o.role == role and o.ready_s is None for o in self.outages)
+
+    # --- progress, reported by generation and training ----------------------------------
+
+    def _progressed(self, role: str) -> None:
+        self.watches[role].last_progress_s = self.svc.now()
         self.history = F.role_progressed(self.history, role)
 
-    # --- the trainer's phase, reported by the loop ------------------------------------
+    def streamed(self, rid: int) -> None:
+        self.watches[self.roles.rollouts[rid].name].last_progress_s = self.svc.now()
+
+    def finished(self, rid: int) -> None:
+        self._progressed(self.roles.rollouts[rid].name)
+
+    def failing(self, name: str) -> bool:
+        return name in self.pending_kills or self.watches[name].restarting
 
     def train_started(self, step: int) -> None:
-        w = self.watches["trainer"]
-        w.busy_since_s = self.now()
+        self.watches["trainer"].busy_since_s = self.svc.now()
         for inj in self.injections:
             if F.injection_due(inj, step) and (inj.role, step) not in self._injected:
                 self._injected.add((inj.role, step))   # once, even if the step is retried
                 self._inject_later(inj, step)
 
     def train_returned(self) -> None:
+        self.watches["trainer"].busy_since_s = None
+        self._progressed("trainer")
+
+    def train_raised(self, err: Exception) -> None:
+        """A training call failed. If the trainer's process still runs, the step raised:
+        that is the failure (RobustRL wraps the step in try/catch); otherwise its exit
+        is (or it was killed by a restart already under way)."""
         w = self.watches["trainer"]
-        w.busy_since_s = None
-        self.progressed("trainer")
+        if self.roles.trainer.exit_code() is None and not w.restarting:
+            w.error = str(err).splitlines()[-1][:500]
 
-    def trainer_raised(self, err: Exception, client: wire.RoleClient) -> None:
-        """A training call on `client` failed. If its process still runs, the step raised:
-        that is the failure (RobustRL wraps the step in try/catch); otherwise its exit is
-        (or it was killed by a restart already under way)."""
-        if client.proc.poll() is None and client is self.ctl.trainer:
-            self.watches["trainer"].error = str(err).splitlines()[-1][:500]
+    # --- observe ------------------------------------------------------------------------
 
-    # --- the tick -------------------------------------------------------------------
-
-    def health(self) -> tuple[F.RoleHealth, ...]:
-        out = []
-        for name, w in self.watches.items():
-            role = self.ctl.cluster.role(name)
-            code = None if w.restarting else role.proc.poll()
-            kind = "trainer" if name == "trainer" else "rollout"
-            out.append(F.RoleHealth(name, kind, exit_code=code, error=w.error,
-                                    busy_since_s=w.busy_since_s, last_progress_s=w.last_progress_s,
-                                    last_heartbeat_s=w.last_heartbeat_s, restarting=w.restarting))
-        return tuple(out)
-
-    def tick(self, placed: np.ndarray) -> None:
-        now = self.now()
+    def health(self, placed: np.ndarray) -> tuple[F.RoleHealth, ...]:
+        now = self.svc.now()
         for r, n in enumerate(placed.tolist()):
-            w = self.watches[f"rollout{r}"]
-            if n and w.busy_since_s is None:
-                w.busy_since_s = now
-            elif not n:
+            w = self.watches[self.roles.rollouts[r].name]
+            if not n:
                 w.busy_since_s = None
-        for failure in F.detect(now, self.health(), self.cfg):
-            self.history, decision = F.escalate(self.history, failure,
-                                                step=self.ctl.book.trainer_version, cfg=self.cfg)
-            start = self.pending_kills.pop(failure.role, now)
-            if failure.role == "trainer" and self.watches["trainer"].busy_since_s is not None:
-                start = min(start, self.watches["trainer"].busy_since_s)   # the step is lost
-            self.record("failure", role=failure.role, reason=failure.reason,
-                        decision=type(decision).__name__, step=self.ctl.book.trainer_version)
-            if isinstance(decision, F.RestartJob):
-                self.outages.append(Outage(failure.role, start, now, reason=failure.reason))
-                raise JobRestart(decision.reason)
-            self.outages.append(Outage(failure.role, start, now, reason=failure.reason))
-            self._restart(failure.role)
+            elif w.busy_since_s is None:
+                w.busy_since_s = now
+        handles = {"trainer": self.roles.trainer, **{r.name: r for r in self.roles.rollouts}}
+        return tuple(F.RoleHealth(
+            name, "trainer" if name == "trainer" else "rollout",
+            exit_code=None if w.restarting else handles[name].exit_code(), error=w.error,
+            busy_since_s=w.busy_since_s, last_progress_s=w.last_progress_s,
+            last_heartbeat_s=w.last_heartbeat_s, restarting=w.restarting)
+            for name, w in self.watches.items())
 
-    # --- restarts -------------------------------------------------------------------
+    def relay_repairs(self) -> None:
+        """Records the relay tier's chain repairs since the last look as relay outages."""
+        events = self.roles.relays.events()
+        for e in events[self._relay_events_seen:]:
+            start, ready = e.failed_at - self.svc.t0_epoch, e.repaired_at - self.svc.t0_epoch
+            self.outages.append(Outage(e.relay, start, ready, ready, reason=e.cause))
+            if e.was_master:
+                # The trainer cannot hand a version to the chain until a master is elected.
+                # Gap: whether it was publishing meanwhile is not observed; counting the
+                # whole repair errs on the side of a lower ETTR.
+                self.outages.append(Outage("trainer", start, ready, ready,
+                                           reason=f"master relay {e.relay} {e.cause}"))
+            self.record("chain_repaired", role=e.relay, cause=e.cause, repair_s=ready - start,
+                        was_master=e.was_master, master=e.master)
+        self._relay_events_seen = len(events)
 
-    def _restart(self, role: str) -> None:
+    # --- act ------------------------------------------------------------------------------
+
+    def act(self, decision: F.RestartRole | F.RestartJob) -> None:
+        """Carries out one decision of `faults.decide_faults`."""
+        now, role = self.svc.now(), decision.role
+        start = self.pending_kills.pop(role, now)
+        busy = self.watches["trainer"].busy_since_s
+        if role == "trainer" and busy is not None:
+            start = min(start, busy)   # the step in flight is lost
+        self.record("failure", role=role, reason=decision.reason,
+                    decision=type(decision).__name__, step=self.book.trainer_version)
+        self.outages.append(Outage(role, start, now, reason=decision.reason))
+        if isinstance(decision, F.RestartJob):
+            raise JobRestart(decision.reason)
         w = self.watches[role]
         w.restarting, w.error, w.busy_since_s = True, None, None
-        self.ctl.cluster.kill(role)
         if role == "trainer":
-            self.ctl._spawn(self._restart_trainer())
+            self.svc.spawn(self._restart(role, self._restart_trainer))
         else:
-            rid = int(role.removeprefix("rollout"))
-            self.ctl.rollout_failed(rid)
-            self.ctl._spawn(self._restart_rollout(rid))
+            rid = next(i for i, r in enumerate(self.roles.rollouts) if r.name == role)
+            self.roles.rollouts[rid].kill()
+            self.generation.rollout_down(rid)
+            self.svc.spawn(self._restart(role, lambda: self._restart_rollout(rid)))
 
-    def _ready(self, role: str, **extra) -> None:
-        w = self.watches[role]
-        now = self.now()
+    async def _restart(self, role: str, attempt) -> None:
+        """Runs `attempt` until it succeeds; a failed restart is retried while the
+        escalation rules allow (rule 3), then the job restarts."""
+        while True:
+            try:
+                extra = await attempt()
+                break
+            except (RoleError, RuntimeError, ServerError, OSError, ValueError) as err:
+                self.history = F.restart_failed(self.history, role)
+                self.record("restart_failed", role=role, error=str(err)[:2000])
+                if F.restart_gave_up(self.history, role, self.cfg):
+                    raise JobRestart(f"{role} failed to restart: {err}") from err
+        w, now = self.watches[role], self.svc.now()
         w.restarting = False
         w.last_progress_s = w.last_heartbeat_s = now
         self.history = F.role_started(self.history, role)
         outage = next(o for o in reversed(self.outages) if o.role == role and o.ready_s is None)
         outage.ready_s = now
         self.record("recovered", role=role, down_s=now - outage.start_s,
-                    since_detected_s=now - outage.detected_s, **extra)
-        self.ctl.wake.set()
+                    since_detected_s=now - outage.detected_s, **(extra or {}))
+        self.svc.wake()
 
-    async def _retry(self, role: str, attempt) -> bool:
-        """Runs `attempt` until it succeeds; a failed restart is retried once (rule 3)."""
-        while True:
-            try:
-                await attempt()
-                return True
-            except (wire.RoleError, RuntimeError, ServerError, OSError) as err:
-                self.history = F.restart_failed(self.history, role)
-                self.record("restart_failed", role=role, error=str(err)[:2000])
-                if F.restart_gave_up(self.history, role, self.cfg):
-                    raise JobRestart(f"{role} failed to restart: {err}") from err
-                self.ctl.cluster.kill(role)
+    async def _restart_trainer(self) -> dict:
+        version = await self.roles.trainer.restart()
+        self.training.restarted(version)
+        return {"version": version}
 
-    async def _restart_trainer(self) -> None:
-        ctl = self.ctl
-
-        async def attempt():
-            # A spare still warming up is taken too: it is ahead of a process started now.
-            standby, ready = self.standby, self.standby_ready
-            self.standby, self.standby_ready = None, False
-            if standby is not None and standby.proc.poll() is None:
-                role = ctl.cluster.promote("trainer_standby", "trainer")
-                client = wire.RoleClient("trainer", role.address, role.proc, str(role.log_path))
-                if ready:   # (a socket still waiting for its reply is left to its thread)
-                    standby.close()
-                cmd = {"cmd": "takeover"}
-            else:
-                role = ctl.cluster.restart_trainer()
-                client = wire.RoleClient("trainer", role.address, role.proc, str(role.log_path))
-                cmd = {"cmd": "init"}
-            init = await asyncio.to_thread(client.call, cmd, timeout_s=ctl.cfg.trainer_timeout_s)
-            ctl.trainer = client
-            ctl.trainer_restarted(init["version"])
-            self.record("trainer_started", how=cmd["cmd"], version=init["version"])
-
-        await self._retry("trainer", attempt)
-        self._ready("trainer")
-        if self.cfg.trainer_standby:
-            ctl._spawn(self.start_standby())
-
-    async def warm_standby(self) -> None:
-        """The trainer saw a new batch shape: the spare compiles it too."""
-        standby = self.standby
-        if standby is None or not self.standby_ready or self._warming:
-            return
-        self._warming = True
-        try:
-            await asyncio.to_thread(standby.call, {"cmd": "warm"},
-                                    timeout_s=self.ctl.cfg.trainer_timeout_s)
-        except wire.RoleError:
-            pass   # it is checked for life at takeover
-        finally:
-            self._warming = False
-
-    async def start_standby(self) -> None:
-        """Starts a warm spare trainer in the background (RobustRL's warm standby)."""
-        role = self.ctl.cluster.restart_trainer(name="trainer_standby")
-        client = wire.RoleClient("trainer_standby", role.address, role.proc, str(role.log_path))
-        self.standby, self.standby_ready = client, False
-        try:
-            reply = await asyncio.to_thread(client.call, {"cmd": "standby"},
-                                            timeout_s=self.ctl.cfg.trainer_timeout_s)
-        except wire.RoleError as err:
-            if self.standby is client:   # no spare: a failure restarts from scratch
-                self.standby = None
-                self.record("standby_failed", error=str(err)[:2000])
-            return
-        if self.standby is client:      # not taken over while it warmed up
-            self.standby_ready = True
-            self.record("standby_ready", warmed_shapes=reply["warmed"])
-
-    async def _restart_rollout(self, rid: int) -> None:
-        ctl = self.ctl
-        state = ctl.rollouts[rid]
-
-        started = {}
-
-        async def attempt():
-            role = ctl.cluster.restart_server(rid)
-            started["s"] = await asyncio.to_thread(wait_ready, role.address, role.proc,
-                                                   ctl.cfg.rollout.start_timeout_s)
-            old = state.client
-            state.client = RolloutClient(role.address, old.session, timeout_s=old.timeout_s)
-            state.version = await state.client.pull(ctl.relay_for(rid),
-                                                    min_version=ctl.book.trainer_version)
-
-        await self._retry(f"rollout{rid}", attempt)
-        state.down = False
+    async def _restart_rollout(self, rid: int) -> dict:
+        started_s = await self.roles.rollouts[rid].restart()
+        await self.generation.rollout_up(rid)
         # Recovery = the server's own start time + moving its work + the weight pull.
-        self._ready(f"rollout{rid}", server_start_s=started["s"])
+        return {"server_start_s": started_s}
 
-    # --- heartbeats -------------------------------------------------------------------
-
-    async def heartbeats(self) -> None:
+    async def _heartbeats(self) -> None:
         """Every second: each live rollout's /metrics (its heartbeat, and vLLM's
         waiting-queue length for the snapshot)."""
-        async def beat(rid: int, state) -> None:
+        async def beat(state) -> None:
             try:
-                metrics = await asyncio.wait_for(state.client.metrics(), 2 * HEARTBEAT_S)
+                metrics = await asyncio.wait_for(state.handle.metrics(), 2 * HEARTBEAT_S)
             except (ServerError, asyncio.TimeoutError):
                 return
             state.waiting = int(metrics["vllm:num_requests_waiting"])
-            self.watches[f"rollout{rid}"].last_heartbeat_s = self.now()
+            self.watches[state.handle.name].last_heartbeat_s = self.svc.now()
 
         while True:
-            await asyncio.gather(*(beat(r, s) for r, s in enumerate(self.ctl.rollouts)
-                                   if not s.down))
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.gather(*(beat(s) for s in self.generation.rollouts if not s.down))
+            await self.svc.clock.sleep(HEARTBEAT_S)
 
-    # --- fault injection ----------------------------------------------------------------
+    # --- fault injection --------------------------------------------------------------------
 
     def _inject_later(self, inj: F.Injection, step: int) -> None:
         # A random point inside the phase: within the trainer's typical step for a
         # trainer kill, within a second of generation otherwise.
-        typical = self.ctl.typical_step_s()
+        typical = self.training.typical_step_s()
         delay = float(self._rng.uniform(0.1, 0.9)) * (typical if inj.phase == "train" else 1.0)
         self.record("inject_scheduled", role=inj.role, step=step, delay_s=delay)
-        self.ctl._spawn(self._inject(inj, step, delay))
+        self.svc.spawn(self._inject(inj, step, delay))
 
     async def _inject(self, inj: F.Injection, step: int, delay: float) -> None:
-        await asyncio.sleep(delay)
+        await self.svc.clock.sleep(delay)
         if inj.role == "controller":
             self.record("inject", role="controller", step=step)
             self._log.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        if inj.role.startswith("rollout"):
-            # Mid-generation: wait (a little) for work to be placed on it.
-            rid = int(inj.role.removeprefix("rollout"))
-            for _ in range(50):
-                if self.ctl.table.on(rid):
-                    break
-                await asyncio.sleep(0.1)
+        rollout = {r.name: i for i, r in enumerate(self.roles.rollouts)}.get(inj.role)
+        if rollout is not None:
+            # Mid-generation: wait until work is placed on it (however long that takes on
+            # a busy machine; the run cannot end before, it needs this rollout's work).
+            while not self.generation.table.on(rollout):
+                await self.svc.clock.sleep(0.1)
         w = self.watches.get(inj.role)
         if w is not None and w.restarting:
             return
-        if inj.signal == "stop":   # a hang: the process lives on, silent
-            self.pending_kills[inj.role] = self.now()
-            self.record("inject", role=inj.role, step=step, signal="stop")
-            self.ctl.cluster.kill(inj.role, sig=signal.SIGSTOP, wait=False)
-            return
-        if inj.role.startswith("relay"):
-            self.ctl.cluster.kill(inj.role, wait=False)
-            self.record("inject", role=inj.role, step=step)
-            await self._time_chain_repair(inj.role)
-            return
-        self.pending_kills[inj.role] = self.now()
-        self.record("inject", role=inj.role, step=step)
-        self.ctl.cluster.kill(inj.role, wait=False)
-
-    async def _time_chain_repair(self, relay: str) -> None:
-        """Records how long the relay tier took to splice a killed relay out of the chain
-        and tell the survivors their new places (or elect a new master)."""
-        tier = self.ctl.cluster.relay_tier
-        if tier is None:
-            return
-        t0 = time.perf_counter()
-        while relay in tier.plan.order or tier.configured_epoch < tier.plan.epoch:
-            if time.perf_counter() - t0 > 60:
-                return
-            await asyncio.sleep(0.005)
-        self.record("chain_repaired", role=relay, repair_s=time.perf_counter() - t0,
-                    chain=list(tier.plan.order), master=tier.plan.order[0] if tier.plan.order else None)
-
-    # --- effective training time ratio ------------------------------------------------
-
-    def ettr(self, wall_s: float) -> dict:
-        """1 − (role-seconds down) / (role-seconds in all), over the trainer and rollouts."""
-        units = 1 + len(self.ctl.rollouts)
-        down = sum((o.ready_s if o.ready_s is not None else wall_s) - o.start_s
-                   for o in self.outages)
-        recov = [o.ready_s - o.detected_s for o in self.outages if o.ready_s is not None]
-        by_role: dict[str, list[float]] = {}
-        for o in self.outages:
-            if o.ready_s is not None:
-                kind = "trainer" if o.role == "trainer" else "rollout"
-                by_role.setdefault(kind, []).append(o.ready_s - o.start_s)
-        return {"ettr": 1.0 - down / max(units * wall_s, 1e-9), "failures": len(self.outages),
-                "role_down_s": down, "ettr_units": units, "loop_start": self.ctl._t0_epoch,
-                **{f"{k}_recovery_s_mean": float(np.mean(v)) for k, v in by_role.items()},
-                **{f"{k}_recovery_s_max": float(np.max(v)) for k, v in by_role.items()},
-                "recovery_after_detect_s_max": max(recov, default=0.0)}
+        sig = signal.SIGSTOP if inj.signal == "stop" else signal.SIGKILL
+        if inj.role in self.watches:   # relays are watched by their tier
+            self.pending_kills[inj.role] = self.svc.now()
+        self.record("inject", role=inj.role, step=step, signal=inj.signal)
+        self.roles.kill(inj.role, sig)

@@ -12,24 +12,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from fnrl.types import Problem
+
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 SPECIAL = (PAD, EOS, BOS)
 ALPHABET = "0123456789+-*=()"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One prompt with its gold answer. `uid` is stable across runs for a given seed."""
-
-    uid: str
-    prompt: str
-    answer: str
-    level: int
 
 
 def build_tokenizer() -> Tokenizer:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from fnrl.config import TaskConfig
-from fnrl.data.arith import Problem, PromptStream, eval_problems
+from fnrl.data.arith import PromptStream, eval_problems
+from fnrl.types import Problem
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,17 @@
 """The experience buffer (Laminar seed 000 §3.1, §6): completed, rewarded groups waiting
-to be trained on, with pluggable sampling chosen by registered name.
+to be trained on.
 
-Immutable: `add`, `sample` and `take` return a new buffer. Samplers: "fifo" (Laminar's
-default in its experiments) or "oldest_version" (stalest first, so fewer groups age
-past a staleness bound). In the live loop StaleFlow's protocol decides what is trained:
-the cycle ranks every occupied (rewarded) group with the configured sampler
-(`--coord.sampler`, fnrl.policy.staleness.choose_batch), the Consume names the chosen
-groups, and the trainer `take`s exactly those. `sample` serves loops without the
-protocol.
+Immutable: `add` and `take` return a new buffer. StaleFlow's protocol decides what is
+trained: the cycle ranks every occupied (rewarded) group with the configured sampler
+(`--coord.sampler`, fnrl.policy.samplers via fnrl.policy.staleness.choose_batch), the
+Consume names the chosen groups, and the trainer `take`s exactly those.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Iterable
 
 from fnrl.types import Group
 
@@ -28,33 +25,6 @@ class Experience:
     @property
     def version(self) -> int:
         return self.group.version
-
-
-class Ranked(Protocol):
-    """What a sampler reads: an Experience, or a staleness Entry (fnrl.policy.staleness)."""
-
-    @property
-    def version(self) -> int: ...
-
-    @property
-    def seq(self) -> int: ...
-
-
-Sampler = Callable[[tuple[Ranked, ...], int], tuple[int, ...]]
-"""(items, n) -> positions of the n items to train on, in batch order."""
-
-
-def _fifo(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
-    order = sorted(range(len(items)), key=lambda i: items[i].seq)
-    return tuple(order[:n])
-
-
-def _oldest_version(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
-    order = sorted(range(len(items)), key=lambda i: (items[i].version, items[i].seq))
-    return tuple(order[:n])
-
-
-SAMPLERS: dict[str, Sampler] = {"fifo": _fifo, "oldest_version": _oldest_version}
 
 
 @dataclass(frozen=True)
@@ -85,19 +55,6 @@ def add(buf: ExperienceBuffer, groups: Iterable[tuple[int, Group]]
         cut = len(items) - buf.capacity
         evicted, items = tuple(items[:cut]), items[cut:]
     return dataclasses.replace(buf, items=tuple(items), next_seq=seq), evicted
-
-
-def sample(buf: ExperienceBuffer, n: int, sampler: str = "fifo"
-           ) -> tuple[tuple[Experience, ...], ExperienceBuffer]:
-    """Remove and return up to n items chosen by the named sampler."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; registered: {sorted(SAMPLERS)}")
-    picked = SAMPLERS[sampler](buf.items, n)
-    chosen = set(picked)
-    if len(chosen) != len(picked) or not all(0 <= i < len(buf.items) for i in picked):
-        raise ValueError(f"sampler {sampler!r} returned invalid positions {picked}")
-    rest = tuple(x for i, x in enumerate(buf.items) if i not in chosen)
-    return tuple(buf.items[i] for i in picked), dataclasses.replace(buf, items=rest)
 
 
 def take(buf: ExperienceBuffer, gids: Iterable[int]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from fnrl.shell.files import write_atomic
 from fnrl.types import Segment
 
 _HEADER = struct.Struct("<II")
@@ -100,20 +101,17 @@ class PartialResponsePool:
 
     def compact(self) -> None:
         """Rewrite the log with only live trajectories; atomic (write, fsync, rename)."""
-        tmp = self.path.with_suffix(self.path.suffix + ".compact")
-        with open(tmp, "wb") as f:
-            for item in self._items.values():
-                f.write(_encode({"op": "start", "uid": item.uid, "prompt": list(item.prompt_ids)}))
-                for s in item.segments:
-                    f.write(_encode({"op": "tokens", "uid": item.uid, "v": s.version,
-                                     "ids": list(s.token_ids), "lps": list(s.logprobs)}))
-                if item.finish_reason is not None:
-                    f.write(_encode({"op": "finish", "uid": item.uid,
-                                     "reason": item.finish_reason}))
-            f.flush()
-            os.fsync(f.fileno())
+        records = []
+        for item in self._items.values():
+            records.append(_encode({"op": "start", "uid": item.uid, "prompt": list(item.prompt_ids)}))
+            for s in item.segments:
+                records.append(_encode({"op": "tokens", "uid": item.uid, "v": s.version,
+                                        "ids": list(s.token_ids), "lps": list(s.logprobs)}))
+            if item.finish_reason is not None:
+                records.append(_encode({"op": "finish", "uid": item.uid,
+                                        "reason": item.finish_reason}))
         self._file.close()
-        os.replace(tmp, self.path)
+        write_atomic(self.path, b"".join(records), fsync=True)
         self._file = open(self.path, "ab")
 
     def close(self) -> None:

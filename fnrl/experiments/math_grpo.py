@@ -3,7 +3,7 @@
     python -m fnrl.experiments.math_grpo                   # preset fnrl, embedded model, CPU
     python -m fnrl.experiments.math_grpo --preset sync --steps 20
     python -m fnrl.experiments.math_grpo --preset staleflow --coord.eta 2
-    python -m fnrl.experiments.math_grpo --coord.cost-file auto   # after fnrl.policy.profile_cost
+    python -m fnrl.experiments.math_grpo --coord.cost-file auto   # after fnrl.experiments.profile_cost
     python -m fnrl.experiments.math_grpo --help
 
 `--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
@@ -34,21 +34,26 @@ import tyro
 from tokenizers import Tokenizer
 
 from fnrl.config import RunConfig, save_json
+from fnrl.control.book import TaskIO
+from fnrl.control.handles import Roles
+from fnrl.control.local import HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
+from fnrl.control.report import across_attempts
 from fnrl.control.roles import Cluster
 from fnrl.control.supervisor import JobRestart
-from fnrl.control.wire import RoleClient, RoleError
 from fnrl.data.arith import BOS, EOS, PAD
 from fnrl.data.dataset import load_task
 from fnrl.data.reward import math_reward
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
+from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.experiments.warm_start import ensure_default_model
-from fnrl.policy.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
+from fnrl.policy.faults import check_injections, parse_injection
 from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.tier import RelayTier
-from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, free_port
+from fnrl.serving.server import ServerSpec, check_memory
+from fnrl.shell.net import free_port
+from fnrl.shell.wire import RoleError
 
 REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
@@ -110,68 +115,93 @@ def wait_tier_holds(tier: RelayTier, version: int, timeout_s: float) -> None:
                     from err
 
 
-async def _run_controller(cfg: RunConfig, run_dir: Path, cluster: Cluster, trainer: RoleClient,
-                          tier: RelayTier, model_dir: Path, trainer_version: int) -> dict:
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
-    encode = lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids  # noqa: E731
-    urls = [r.address for r in cluster.roles if r.name.startswith("rollout")]
-    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-    # A prompt must leave vLLM room for max_new_tokens within the model's length.
-    prompts, eval_set = load_task(cfg.task, seed=cfg.seed, prompt_tokens=lambda s: len(encode(s)),
-                                  prompt_budget=max_len - cfg.algo.max_new_tokens, run_dir=run_dir)
+async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, model_dir: Path) -> dict:
+    """One attempt: the trainer restores and publishes, the servers come up, the
+    controller runs over handles to the roles, and the trainer shuts down."""
+    trainer = LocalTrainer(cluster, timeout_s=cfg.trainer_timeout_s,
+                           standby=cfg.faults.trainer_standby)
+    t0 = time.perf_counter()
+    version, resumed_from = await trainer.init()
+    print(f"trainer ready at version {version}"
+          + (f" (resumed from step {resumed_from})" if resumed_from else "")
+          + f" in {time.perf_counter() - t0:.1f}s", flush=True)
+    await asyncio.to_thread(wait_tier_holds, cluster.relay_tier, version, 120.0)
+    t0 = time.perf_counter()
+    await asyncio.to_thread(cluster.wait_servers_ready, cfg.rollout.start_timeout_s)
+    print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
+          flush=True)
+    task = load_task_io(cfg, model_dir, run_dir)
     # Idle connections close on our side before uvicorn's 5 s keep-alive closes them on
     # the server's, so a request never goes out on a socket the server is closing.
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        clients = [RolloutClient(u, session, timeout_s=cfg.rollout.request_timeout_s) for u in urls]
-        controller = Controller(
-            cfg, cluster=cluster, trainer=trainer, relay_for=tier.local_address,
-            rollouts=clients, prompts=prompts, eval_set=eval_set,
-            encode=encode,
-            decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos, pad_id=pad,
-            seq_len=max_len, writer=MetricsWriter(run_dir), trainer_version=trainer_version,
-            run_dir=run_dir)
-        # Servers start from the model directory (version 0); after a resume they catch up.
-        for rid, (c, state) in enumerate(zip(clients, controller.rollouts)):
-            state.version = await c.pull(tier.local_address(rid)) if trainer_version > 0 else 0
+        rollouts = [HttpRollout(cluster, rid, session, timeout_s=cfg.rollout.request_timeout_s,
+                                start_timeout_s=cfg.rollout.start_timeout_s)
+                    for rid in range(cfg.rollout.num_servers)]
+        roles = Roles(trainer=trainer, rollouts=rollouts, relays=LocalRelays(cluster))
+        writer = MetricsWriter(run_dir)
         try:
+            controller = Controller(cfg, roles, task, run_dir=run_dir, writer=writer,
+                                    trainer_version=version)
+            trainer.record = controller.supervisor.record
+            # Servers start from the model directory (version 0); after a resume they catch up.
+            for rid, state in enumerate(controller.generation.rollouts):
+                state.version = (await state.handle.pull(roles.relays.address_for(rid))
+                                 if version > 0 else 0)
             summary = await controller.run()
-            # The trainer running now (the supervisor may have replaced the first one).
             # Every step is checkpointed already: a trainer that dies here loses nothing.
             try:
-                controller.trainer.call({"cmd": "shutdown"}, timeout_s=120)
+                await roles.trainer.shutdown()
             except RoleError as err:
                 print(f"fnrl: the trainer did not shut down cleanly: {err}", file=sys.stderr)
             return summary
         finally:
-            controller.writer.close()
+            writer.close()
+
+
+def load_task_io(cfg: RunConfig, model_dir: Path, run_dir: Path) -> TaskIO:
+    """The task's prompts, held-out set, tokenizer and reward, as the loop uses them."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
+    encode = lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    # A prompt must leave vLLM room for max_new_tokens within the model's length.
+    prompts, eval_set = load_task(cfg.task, seed=cfg.seed, prompt_tokens=lambda s: len(encode(s)),
+                                  prompt_budget=max_len - cfg.algo.max_new_tokens, run_dir=run_dir)
+    return TaskIO(prompts=prompts, eval_set=tuple(eval_set), encode=encode,
+                  decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos,
+                  pad_id=pad, seq_len=max_len)
+
+
+def role_names(cfg: RunConfig) -> tuple[str, ...]:
+    return ("trainer", *(f"rollout{r}" for r in range(cfg.rollout.num_servers)),
+            *(f"relay{r}" for r in range(cfg.relay.num_relays)))
 
 
 def run(cfg: RunConfig) -> dict:
     """Runs the whole job and returns its summary; raises RoleError if a role dies for
     good. A failure the supervisor escalates (fnrl.policy.faults) restarts every role
     from the newest checkpoint and the controller's journal, up to
-    `faults.max_job_restarts` times; the summary's `ettr` then counts every role as down
-    from each such failure until the restarted job's loop runs again."""
+    `faults.max_job_restarts` times. The summary covers every attempt of the run
+    (fnrl.control.report.across_attempts), a controller killed and re-run included."""
+    check_injections(tuple(parse_injection(s) for s in cfg.faults.inject), role_names(cfg))
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
     if cost_path is not None:  # the fitted model with its measurements, beside the run
         shutil.copyfile(cost_path, run_dir / COST_FILE_NAME)
-    attempts: list[dict] = []
+    restarts = 0
     while True:
         try:
             summary = _run_once(cfg, model_dir, run_dir)
             break
         except JobRestart as err:
-            attempts.append({**err.stats, "restart_from": time.time()})
-            if len(attempts) > cfg.faults.max_job_restarts:
-                raise RoleError(f"gave up after {len(attempts) - 1} job restart(s): {err}") from err
+            restarts += 1
+            if restarts > cfg.faults.max_job_restarts:
+                raise RoleError(f"gave up after {restarts - 1} job restart(s): {err}") from err
             print(f"fnrl: restarting the job from its checkpoint: {err}", file=sys.stderr,
                   flush=True)
-    if attempts:
-        summary.update(job_ettr(attempts, summary))
+    summary.update(across_attempts(run_dir), job_restarts=restarts)
     plot_run(run_dir)
     plot_timeline(run_dir)
     summary["run_dir"] = str(run_dir)
@@ -179,45 +209,22 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
-def job_ettr(attempts: list[dict], last: dict) -> dict:
-    """ETTR over every attempt of a job that restarted: each attempt's own role down
-    time, plus every role down from a failure until the next attempt's loop started."""
-    units = last["ettr_units"]
-    starts = [a["loop_start"] for a in attempts[1:]] + [last["loop_start"]]
-    gaps = [start - a["restart_from"] for a, start in zip(attempts, starts)]
-    wall = sum(a["wall_s"] for a in attempts) + sum(gaps) + last["wall_s"]
-    down = sum(a["role_down_s"] for a in attempts) + units * sum(gaps) + last["role_down_s"]
-    return {"ettr": 1.0 - down / (units * wall), "job_restarts": len(attempts),
-            "job_restart_s": gaps, "wall_s_all_attempts": wall,
-            "failures": sum(a["failures"] for a in attempts) + last["failures"]}
-
-
 def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path) -> dict:
-    """Starts every role, runs the controller to the end (or a JobRestart), stops them."""
+    """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
     cluster = Cluster(run_dir)
     try:
         max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-        for rid in range(cfg.rollout.num_servers):
-            cluster.start_server(rid, ServerSpec(
-                model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
-                max_num_seqs=cfg.rollout.max_num_seqs,
-                kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid))
+        specs = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
+                            max_num_seqs=cfg.rollout.max_num_seqs,
+                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid)
+                 for rid in range(cfg.rollout.num_servers)]
+        check_memory(specs)   # every server together, before any starts (ValueError: figures)
+        for rid, spec in enumerate(specs):
+            cluster.start_server(rid, spec)
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(cfg.relay)
-        role = cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
-        trainer = RoleClient("trainer", role.address, role.proc, str(role.log_path))
-        t0 = time.perf_counter()
-        init = trainer.call({"cmd": "init"}, timeout_s=cfg.trainer_timeout_s)
-        print(f"trainer ready at version {init['version']}"
-              + (f" (resumed from step {init['resumed_from']})" if init["resumed_from"] else "")
-              + f" in {time.perf_counter() - t0:.1f}s", flush=True)
-        wait_tier_holds(tier, init["version"], timeout_s=120.0)
-        t0 = time.perf_counter()
-        cluster.wait_servers_ready(cfg.rollout.start_timeout_s)
-        print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
-              flush=True)
-        return asyncio.run(_run_controller(cfg, run_dir, cluster, trainer, tier, model_dir,
-                                           init["version"]))
+        cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
+        return asyncio.run(_attempt(cfg, run_dir, cluster, model_dir))
     finally:
         cluster.stop()
 
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         first, last = evals[0], evals[-1]
         print(f"held-out accuracy: {100 * first['accuracy']:.1f}% (version {first['step']}) -> "
               f"{100 * last['accuracy']:.1f}% (version {last['step']}); "
-              f"{summary['steps']} steps in {summary['wall_s']:.0f}s; run dir {summary['run_dir']}")
+              f"{summary['steps']} steps in {summary['wall_s_all_attempts']:.0f}s; "
+              f"run dir {summary['run_dir']}")
     return 0
 
 

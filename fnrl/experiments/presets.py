@@ -25,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fnrl.config import CoordinatorConfig, RunConfig
-from fnrl.policy.routing import RoutingConfig
+from fnrl.config import CoordinatorConfig, RoutingConfig, RunConfig
 
 
 def _coord(cfg: RunConfig, name: str, **kw) -> RunConfig:

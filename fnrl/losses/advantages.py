@@ -1,4 +1,5 @@
-"""Advantage estimators, DAPO reward shaping and dynamic sampling; host-side numpy.
+"""Advantage estimators and DAPO reward shaping; host-side numpy (DAPO dynamic sampling,
+a data-path decision, is fnrl.policy.filtering).
 
 Estimators map group rewards r (G groups × N samples) to advantages of the same
 shape. NaN marks an invalid sample: it is left out of every statistic and gets
@@ -83,29 +84,3 @@ def overlong_penalty(lengths: Sequence[int], *, max_len: int, buffer: int,
     start = max_len - buffer
     ramp = np.clip((lengths - start) / buffer, 0.0, 1.0)
     return (-factor * ramp).astype(np.float32)
-
-
-def informative(rewards_N: Sequence[float | None]) -> bool:
-    """DAPO dynamic sampling: a group teaches something only if its valid rewards differ."""
-    r = np.asarray([np.nan if x is None else x for x in rewards_N], np.float64)
-    r = r[np.isfinite(r)]
-    return r.size >= 2 and bool(np.ptp(r) > 0)
-
-
-def select_groups(group_rewards: Sequence[Sequence[float | None]], num_groups: int
-                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """DAPO dynamic sampling over candidate groups, oldest first.
-
-    Returns (take, drop): indices of the first `num_groups` informative groups, and of
-    the zero-variance groups before them, which are discarded. `take` is empty while
-    fewer than `num_groups` informative groups exist, so the caller waits for more
-    rollouts and the batch is always full.
-    """
-    take, drop = [], []
-    for i, rewards in enumerate(group_rewards):
-        if len(take) == num_groups:
-            break
-        (take if informative(rewards) else drop).append(i)
-    if len(take) < num_groups:
-        return (), tuple(drop)
-    return tuple(take), tuple(drop)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnrl.config import accept_name
+
 Batch = Mapping[str, jnp.ndarray]
 Metrics = dict[str, jnp.ndarray]
 LossFn = Callable[..., tuple[jnp.ndarray, Metrics]]
@@ -51,6 +53,11 @@ def register(table: dict, name: str, *, needs: tuple[str, ...] = ()):
         if needs:
             fn.needs = tuple(needs)
         table[name] = fn
+        # The config validates names without importing the registries (it is a leaf).
+        if table is LOSS_TERMS:
+            accept_name("loss_terms", name)
+        elif table is ADVANTAGES:
+            accept_name("advantage", name)
         return fn
     return wrap
 
@@ -108,8 +115,3 @@ def sequence_mean(x_BxT: jnp.ndarray, batch: Batch) -> jnp.ndarray:
     """Mean over each token's own response tokens, broadcast back to B×T."""
     return sequence_sum(x_BxT, batch) / jnp.maximum(sequence_sum(jnp.ones_like(x_BxT), batch), 1.0)
 
-
-# Back-compatible names: `grpo_clip_loss` is the PPO clip term, `grpo_advantages` the
-# GRPO estimator. Imported last because those modules register into the tables above.
-from fnrl.losses.advantages import grpo_advantages  # noqa: E402,F401
-from fnrl.losses.policy import ppo_clip_loss as grpo_clip_loss  # noqa: E402,F401

@@ -15,34 +15,19 @@ rollout still has a finite rate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from fnrl.config import BalanceConfig
+from fnrl.policy import cost_model
 from fnrl.policy.routing import WorkingView
 from fnrl.types import Migrate
-
-
-@dataclass(frozen=True, kw_only=True)
-class BalanceConfig:
-    threshold: float = 0.5
-    """Imbalance θ: move only while S_max − S_min exceeds it (§4.2; the value is not
-    given, gap: 0.5 means half a KV-full queue, at equal speed, of difference)."""
-    max_moves: int = 64
-    """Moves per cycle, a bound on the cycle's time and on thrashing (gap: not given)."""
-
-    def __post_init__(self):
-        if self.threshold < 0:
-            raise ValueError(f"BalanceConfig.threshold={self.threshold!r}: must be >= 0")
-        if self.max_moves < 0:
-            raise ValueError(f"BalanceConfig.max_moves={self.max_moves!r}: must be >= 0")
 
 
 def congestion_scores(view: WorkingView) -> np.ndarray:
     placed = view.inst >= 0
     mean_len = float(view.length[placed].mean()) if placed.any() else 1.0
     concurrency = np.maximum(view.cap / (view.cost.k5 * max(mean_len, 1.0)), 1.0)
-    latency = view.cost.step_latency(view.kv, view.n_run)
+    latency = cost_model.step_latency(view.cost, view.kv, view.n_run)
     return (view.n_run + view.n_wait) / concurrency * (latency / latency.mean())
 
 
@@ -58,7 +43,7 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
     placed = view.inst >= 0
     mean_len = float(view.length[placed].mean()) if placed.any() else 1.0
     concurrency = np.maximum(view.cap / (view.cost.k5 * max(mean_len, 1.0)), 1.0)
-    mean_latency = float(view.cost.step_latency(view.kv, view.n_run).mean())
+    mean_latency = float(cost_model.step_latency(view.cost, view.kv, view.n_run).mean())
     score = congestion_scores(view)
     moves: dict[tuple[int, int], list[int]] = {}
     for _ in range(cfg.max_moves):
@@ -85,7 +70,7 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
         view.place([i], dst)
         moves.setdefault((src, dst), []).append(i)
         for r in (src, dst):
-            latency = view.cost.step_latency(view.kv[r], view.n_run[r])
+            latency = cost_model.step_latency(view.cost, view.kv[r], view.n_run[r])
             score[r] = ((view.n_run[r] + view.n_wait[r]) / concurrency[r]
                         * (latency / mean_latency))
     return [Migrate(s, d, tuple(view.tid[idx].tolist())) for (s, d), idx in moves.items()]

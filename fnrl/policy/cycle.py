@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fnrl.data.experience import SAMPLERS
+from fnrl.config import BalanceConfig, CostModel, RepackConfig, RoutingConfig
 from fnrl.policy import staleness as st
-from fnrl.policy.balance import BalanceConfig, plan_balance
-from fnrl.policy.repack import RepackConfig, plan_repack, repack_due
-from fnrl.policy.routing import (CostModel, RoutingConfig, SpeculativeState, WorkingView,
-                                 apply_commands, plan_migration, plan_sync, route,
-                                 route_commands, snapshot_is_valid, sync_commands)
+from fnrl.policy.balance import plan_balance
+from fnrl.policy.repack import plan_repack, repack_due
+from fnrl.policy.routing import (SpeculativeState, WorkingView, apply_commands, plan_migration,
+                                 plan_sync, route, route_commands, snapshot_is_valid,
+                                 sync_commands)
+from fnrl.policy.samplers import SAMPLERS
 from fnrl.types import Abort, ClusterSnapshot, Consume, DropGroups, FillPrompts
 
 
@@ -48,7 +49,7 @@ class CycleConfig:
     """None: no reactive balancing."""
     sampler: str = "fifo"
     """Which occupied groups a Consume trains when more than a batch are rewarded
-    (fnrl.data.experience.SAMPLERS; staleness.choose_batch)."""
+    (fnrl.policy.samplers.SAMPLERS; staleness.choose_batch)."""
     prompt_groups: int | None = None
     """Initial (not yet admitted) groups to keep in the TS. None: one batch. Gap (digest
     gap 9): the paper sizes the TS at (η+1) × batch_size without saying whether in
@@ -102,6 +103,8 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
     stage, so the benchmark can time stages without this module reading a clock."""
     tick = timer or (lambda name: None)
     cmds: list = []
+    for _ in range(snap.skipped_steps):   # before anything reads the buffers' versions
+        state = dataclasses.replace(state, staleness=st.step_skipped(state.staleness))
     stale_state, doomed, stuck_since, timed_out = _staleness_events(snap, state, cfg)
     if timed_out:
         cmds.append(DropGroups(timed_out))

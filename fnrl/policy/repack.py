@@ -9,33 +9,12 @@ version, so every trajectory stays single-version (Laminar §2.4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from fnrl.config import RepackConfig
+from fnrl.policy import cost_model
 from fnrl.policy.routing import WorkingView
 from fnrl.types import Migrate, Pull
-
-
-@dataclass(frozen=True, kw_only=True)
-class RepackConfig:
-    c_max: float = 0.99
-    """KV utilization threshold C_max (§5.2: "e.g., above 99% of total KVCache")."""
-    batch_bound: int | None = None
-    """Roofline batch size B (§5.2). None: the fitted cost model's k2/k3, the batch at
-    which decode turns compute-bound (StaleFlow App. B), i.e. the same roofline point."""
-    period_s: float = 5.0
-    """Periodic trigger (§5.1: "e.g., 5 seconds"); it also runs right after a publish."""
-    pull_released: bool = True
-    """Released rollouts pull the newest weights at once (§5.1 step ③)."""
-
-    def __post_init__(self):
-        if not 0 < self.c_max <= 1:
-            raise ValueError(f"RepackConfig.c_max={self.c_max!r}: must be in (0, 1]")
-        if self.batch_bound is not None and self.batch_bound <= 0:
-            raise ValueError(f"RepackConfig.batch_bound={self.batch_bound!r}: must be > 0")
-        if self.period_s <= 0:
-            raise ValueError(f"RepackConfig.period_s={self.period_s!r}: must be > 0")
 
 
 def best_fit_consolidation(c_used: np.ndarray, c_prev: np.ndarray, n_reqs: np.ndarray, *,
@@ -80,7 +59,7 @@ def repack_due(now_s: float, next_due_s: float, ps_version: int, seen_ps_version
 
 def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
     """Run Alg. 1 per weight-version group; Migrate commands, applied to `view`."""
-    bound = cfg.batch_bound or view.cost.roofline_batch()
+    bound = cfg.batch_bound or cost_model.roofline_batch(view.cost)
     util = view.kv / np.maximum(view.cap, 1e-9)
     util_prev = view.kv_prev / np.maximum(view.cap, 1e-9)
     n_reqs = view.n_run + view.n_wait

@@ -1,7 +1,8 @@
 """StaleFlow's rollout coordination (seed 001 §5): validation, routing, sync, migration.
 
-- `CostModel`: decode throughput T_i(S) (§5.3 Eq. 2, App. B Eq. 11) and the marginal
-  and ideal gains of routing one trajectory (Eqs. 3, 4).
+- The decode cost model (`fnrl.config.CostModel`, evaluated by fnrl.policy.cost_model):
+  throughput T_i(S) (§5.3 Eq. 2, App. B Eq. 11) and the marginal and ideal gains of
+  routing one trajectory (Eqs. 3, 4).
 - `SpeculativeState` and `snapshot_is_valid`: a snapshot is used only once it reflects
   every command already issued (§5.2, Eq. 1, Table 1).
 - `route`: the multi-level queue and waterfall selection with threshold μ (Alg. 3),
@@ -22,101 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
+from fnrl.config import CostModel, RoutingConfig
+from fnrl.policy import cost_model
 from fnrl.policy.staleness import StalenessState, reserve_slot
 from fnrl.types import Abort, ClusterSnapshot, Interrupt, Migrate, Pull, Route
-
-SYNC_MODES = ("lazy", "greedy", "on_idle")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Per-decode-step latency L = k1·kv + max(k2, k3·n) + k4 (App. B Eq. 11).
-
-    kv is the instance's KV cache in tokens and n its running trajectories; k5 is the
-    KV footprint of one token (1 when kv is counted in tokens). Defaults: Table 4
-    (Qwen3-30B-A3B on H20). Gap (digest gap 8): the paper leaves kv's unit open; with
-    k1 = 7.28e-8 s only token counts give plausible latencies, so kv is in tokens and
-    k5 = 1. Refit for your engine with `python -m fnrl.policy.profile_cost`.
-    """
-
-    k1: float = 7.28e-8
-    k2: float = 1.72e-3
-    k3: float = 1.25e-4
-    k4: float = 1.07e-2
-    k5: float = 1.0
-
-    def __post_init__(self):
-        for name in ("k1", "k2", "k3", "k4"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CostModel.{name}={getattr(self, name)!r}: must be >= 0")
-        if self.k5 <= 0:
-            raise ValueError(f"CostModel.k5={self.k5!r}: must be > 0")
-        if self.k2 + self.k3 + self.k4 <= 0:
-            raise ValueError("CostModel: k2 + k3 + k4 must be > 0 (a step takes time)")
-
-    def step_latency(self, kv, n):
-        """Seconds per decode step (Eq. 11); numpy-broadcasting."""
-        return self.k1 * kv + np.maximum(self.k2, self.k3 * n) + self.k4
-
-    def throughput(self, kv, n):
-        """T_i(S) = |run| / L (Eq. 2): decoded tokens per second."""
-        return n / self.step_latency(kv, n)
-
-    def ideal_gain(self, length: float) -> float:
-        """ΔT_ideal: routing to an idle instance (Eq. 4; Alg. 3 line 21's `k1×k2×len` is a
-        typo for k1×k5×len, see the digest)."""
-        return 1.0 / (self.k1 * self.k5 * length + max(self.k2, self.k3) + self.k4)
-
-    def marginal_gain(self, kv, n, n_wait, capacity, t0, length: float):
-        """ΔT_i of adding one trajectory of context `length` (Eq. 3). It runs only if its
-        KV fits and nothing waits (y_i); otherwise it waits and adds nothing."""
-        kv1 = kv + self.k5 * length
-        fits = (kv1 <= capacity) & (n_wait == 0)
-        t1 = (n + 1) / (self.k1 * kv1 + np.maximum(self.k2, self.k3 * (n + 1)) + self.k4)
-        return np.where(fits, t1 - t0, 0.0)
-
-    def roofline_batch(self) -> int:
-        """Batch size where matmuls turn compute-bound, k2/k3 (App. B, Eqs. 9-10)."""
-        return max(1, int(self.k2 / self.k3)) if self.k3 > 0 else 1 << 30
-
-
-@dataclass(frozen=True, kw_only=True)
-class RoutingConfig:
-    mu: float = 0.3
-    """Waterfall threshold: route only if ΔT_best ≥ μ·ΔT_ideal (§5.3; §6 uses 0.3)."""
-    phi_wait: int = 3
-    """Migrate a rollout's waiting trajectories beyond this many (Alg. 5; §6: 3)."""
-    phi_throughput: float = 5.0
-    """Redistribute the fastest rollout when T_max/T_min exceeds this (Alg. 5; §6: 5)."""
-    sync: str = "lazy"
-    """"lazy" (Alg. 4), "greedy" (pull whenever behind: §6.5's vanilla sync) or
-    "on_idle" (pull when a rollout has nothing left: Laminar §3)."""
-    migrate: bool = True
-    """Alg. 5 on or off (off = §6.5's vanilla migration: only through sync)."""
-    gain_resolution: int = 16
-    """Gains are computed at lengths rounded up to this many points per doubling (0:
-    exact); see `route`."""
-    max_routes: int | None = 512
-    """Routes per cycle. Gap (ours): Alg. 3 has no cap; when a Consume opens a whole
-    buffer, one cycle could admit batch_size × group_size trajectories. Capping bounds a
-    cycle's time (about 8 µs per route); the rest are withheld to the next cycle, which is
-    what Alg. 3 does with any trajectory it cannot place well yet. None: no cap."""
-
-    def __post_init__(self):
-        if not 0 <= self.mu <= 1:
-            raise ValueError(f"RoutingConfig.mu={self.mu!r}: must be in [0, 1]")
-        if self.phi_wait < 0:
-            raise ValueError(f"RoutingConfig.phi_wait={self.phi_wait!r}: must be >= 0")
-        if self.phi_throughput <= 1:
-            raise ValueError(f"RoutingConfig.phi_throughput={self.phi_throughput!r}: must be > 1")
-        if self.max_routes is not None and self.max_routes <= 0:
-            raise ValueError(f"RoutingConfig.max_routes={self.max_routes!r}: must be > 0 or None")
-        if self.gain_resolution < 0:
-            raise ValueError(f"RoutingConfig.gain_resolution={self.gain_resolution!r}: "
-                             "must be >= 0")
-        if self.sync not in SYNC_MODES:
-            raise ValueError(f"RoutingConfig.sync={self.sync!r}: must be one of {SYNC_MODES}")
-
 
 # --- snapshot validation (§5.2) ---------------------------------------------------------
 
@@ -334,7 +244,7 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
     group_of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(ver_s)])).tolist()
     kv, n = view.kv[inst_order].copy(), view.n_run[inst_order].copy()
     n_wait, cap = view.n_wait[inst_order].copy(), view.cap[inst_order]
-    t0 = cost.throughput(kv, n)
+    t0 = cost_model.throughput(cost, kv, n)
     k1, k2, k3, k4, k5 = cost.k1, cost.k2, cost.k3, cost.k4, cost.k5
     # Eq. 3 split into the parts that do not depend on the length, so a gain pass is five
     # numpy operations: ΔT = (n+1) / (base + k1·k5·l) − T0 where the KV still has room.
@@ -354,7 +264,7 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
             gain_len = q
             best = [a + int(np.argmax(gain[a:b])) for a, b in bounds]
             best_val = [float(gain[j]) for j in best]
-        threshold = mu * cost.ideal_gain(length)
+        threshold = mu * cost_model.ideal_gain(cost, length)
         chosen = -1
         for gi, gv in enumerate(group_v):
             # check_routable (Alg. 2): partial trajectories (and members of admitted
@@ -488,7 +398,7 @@ def plan_migration(view: WorkingView, cfg: RoutingConfig) -> list:
     # at ideal gain, and counting them would redistribute every cycle.
     busy = view.n_run > 0
     if busy.sum() >= 2:
-        t = view.cost.throughput(view.kv, view.n_run)
+        t = cost_model.throughput(view.cost, view.kv, view.n_run)
         t_busy = np.where(busy, t, np.inf)
         r_max = int(np.argmax(np.where(busy, t, -np.inf)))
         if t[r_max] > cfg.phi_throughput * t_busy.min():
@@ -512,6 +422,6 @@ def route_commands(view: WorkingView, plan: RoutingPlan) -> list:
     return cmds
 
 
-__all__ = ["CostModel", "GONE", "RoutingConfig", "RoutingPlan", "SYNC_MODES", "SpeculativeState",
+__all__ = ["GONE", "RoutingPlan", "SpeculativeState",
            "WorkingView", "apply_commands", "observed_counts", "plan_migration", "plan_sync",
            "route", "route_commands", "snapshot_is_valid", "sync_commands"]

@@ -27,6 +27,7 @@ import numpy as np
 from fnrl.config import CoordinatorConfig
 from fnrl.policy import staleness as st
 from fnrl.policy.cycle import CycleConfig, CycleState, decide_cycle, init_cycle_state
+from fnrl.policy.routing import SpeculativeState, snapshot_is_valid
 from fnrl.types import ClusterSnapshot, Consume, Evaluate
 
 
@@ -89,3 +90,15 @@ def _evaluation(snap: ClusterSnapshot, next_eval: int, every: int) -> tuple[tupl
 def finished(state: ScheduleState, plan: SchedulePlan, *, trainer_idle: bool) -> bool:
     """Every step has been issued and the last one has returned."""
     return state.consumed >= plan.total_steps and trainer_idle
+
+
+def reconcile(state: ScheduleState, snap: ClusterSnapshot, *,
+              pulls_in_flight: bool) -> tuple[ScheduleState, bool]:
+    """Resets the speculative state P to what is observed when they disagree with no
+    pull in flight (only a pull lands late; otherwise a pull got another version than
+    P assumed). Returns the state and whether it was reset."""
+    if pulls_in_flight or snapshot_is_valid(state.cycle.speculative, snap):
+        return state, False
+    cycle = dataclasses.replace(state.cycle, speculative=SpeculativeState.from_snapshot(snap))
+    return dataclasses.replace(state, cycle=cycle), True
+

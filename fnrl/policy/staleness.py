@@ -262,7 +262,7 @@ def choose_batch(state: StalenessState,
     """Refill a Ready head buffer with the occupied groups `rank` puts first.
 
     `rank(entries)` orders every occupied entry in the buffers, best first (a sampler of
-    fnrl.data.experience over `seq` and `version`). Any occupied entry may be trained now
+    fnrl.policy.samplers over `seq` and `version`). Any occupied entry may be trained now
     (V ≤ v_train ≤ V + η), but one leaving the head must land in a later buffer it may
     live in (V + η ≥ V_buf), in a slot an occupied entry vacated, so every buffer keeps
     its counts and state. Gap: the paper trains the head as the protocol filled it; we
@@ -314,3 +314,13 @@ def consume(state: StalenessState) -> tuple[StalenessState, tuple[Entry, ...]]:
     batch = state.buffers[0]
     return (dataclasses.replace(state, v_train=state.v_train + 1,
                                 buffers=state.buffers[1:] + ((),)), batch)
+
+
+def step_skipped(state: StalenessState) -> StalenessState:
+    """The trainer consumed the head buffer without updating (a non-finite loss skips
+    the step), so its version did not advance: every buffer moves one version down.
+    No entry can break the bound by it (each had V + η ≥ V_buf, now V_buf is one
+    less), and none sits below its window (V ≤ the trainer's version, which is the new
+    head's V_buf). Gap: StaleFlow assumes every Consume makes a new version."""
+    return dataclasses.replace(state, v_train=state.v_train - 1)
+

@@ -26,6 +26,13 @@ class ChainPlan:
         return self.order[i + 1] if i + 1 < len(self.order) else None
 
 
+def detection_window_s(cfg) -> float:
+    """Longest the tier's monitor (`fnrl.relay.tier`) takes to splice out a relay that
+    stopped answering, from a `RelayConfig`: a round to notice, then `heartbeat_misses`
+    rounds of a wait and an unanswered ping."""
+    return cfg.heartbeat_s + cfg.heartbeat_misses * (cfg.heartbeat_s + cfg.heartbeat_timeout_s)
+
+
 def plan_chain(relays: Sequence[str], master: str | None) -> tuple[str, ...]:
     """The chain over `relays`: the master first, then the others in the given order.
 

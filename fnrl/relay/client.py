@@ -13,7 +13,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import zmq
@@ -32,17 +32,28 @@ class RelayTimeout(RelayError):
     """The relay did not answer within the timeout (dead, hung or unreachable)."""
 
 
+class RelayUnresponsive(RelayTimeout):
+    """The relay stopped answering pings (or was replaced) while a reply was awaited."""
+
+
 class RelayClient:
     """Blocking request/reply client of one relay; every call has a timeout.
 
     After a timeout the socket is thrown away and the next call opens a fresh one
     (ZeroMQ's "lazy pirate" pattern), so a late reply can never be mistaken for the
     answer to a later request.
+
+    `liveness_s` tells "slow" from "no progress": while a reply (or an inbox slot) is
+    awaited, the relay is pinged on a second socket; once it has answered none for
+    `liveness_s`, or `superseded()` says it was replaced meanwhile, `RelayUnresponsive`
+    is raised without waiting out `timeout_s`. A relay that answers is waited for.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0):
+    def __init__(self, address: str, *, timeout_s: float = 10.0, liveness_s: float | None = None,
+                 superseded: Callable[[], bool] | None = None):
         self.address = address
         self.timeout_s = timeout_s
+        self.liveness_s, self.superseded = liveness_s, superseded
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._lent: dict[str, _LentSlot] = {}  # inbox slots the relay lent us, mapped once
@@ -76,7 +87,7 @@ class RelayClient:
         specs = [(n, a.shape, str(a.dtype)) for n, a in arrays.items()]
         layout, slot = self._slot_for(int(version), specs, timeout_s)
         views = store.tensor_views(slot.mm, layout)
-        slot.lock(timeout_s, self.address)
+        self._await(slot.try_lock, timeout_s, "free its inbox slot")
         if layout.segment == self._published_segment:  # about to be overwritten
             self.last_published = self._published_segment = None
         try:
@@ -210,17 +221,63 @@ class RelayClient:
     def _reply(self, op: str, timeout_s: float) -> dict:
         sock = self._socket()
         try:
-            if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-                raise zmq.Again()
+            self._await(lambda wait_s: bool(sock.poll(int(wait_s * 1000), zmq.POLLIN)),
+                        timeout_s, f"answer {op!r}")
             reply = json.loads(sock.recv())
-        except zmq.Again:
+        except RelayTimeout:
             self.close()
-            raise RelayTimeout(
-                f"relay {self.address} did not answer {op!r} within {timeout_s:g} s"
-            ) from None
+            raise
         if not reply.get("ok"):
             raise RelayError(f"relay {self.address} refused {op!r}: {reply.get('error')}")
         return reply
+
+    def _await(self, ready: Callable[[float], bool], timeout_s: float, what: str) -> None:
+        """Return once `ready(wait_s)` (which waits up to `wait_s`) is true; raise
+        RelayTimeout after `timeout_s`, or RelayUnresponsive as `liveness_s` says."""
+        start = time.monotonic()
+        deadline, heard = start + timeout_s, start
+        step_s = timeout_s if self.liveness_s is None else min(0.25, self.liveness_s / 4)
+        probe = None
+        try:
+            while not ready(max(0.0, min(step_s, deadline - time.monotonic()))):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise RelayTimeout(f"relay {self.address} did not {what} within {timeout_s:g} s")
+                if self.liveness_s is None:
+                    continue
+                # One ping in flight at a time, on a socket of its own (the main one
+                # carries the awaited request); an answer however late counts as life.
+                if probe is None:
+                    probe = self._ctx.socket(zmq.REQ)
+                    probe.setsockopt(zmq.LINGER, 0)
+                    probe.connect(self.address)
+                    probe.send(b'{"op": "ping"}')
+                elif probe.poll(0, zmq.POLLIN):
+                    probe.recv()
+                    heard = now
+                    probe.send(b'{"op": "ping"}')
+                if now - heard < 2 * step_s:
+                    continue
+                # Silent: leave as soon as the tier has replaced it, or after liveness_s.
+                if self.superseded is not None and self.superseded():
+                    raise RelayUnresponsive(f"relay {self.address} stopped answering and was "
+                                            f"replaced while we waited for it to {what}")
+                if now - heard >= self.liveness_s:
+                    raise RelayUnresponsive(f"relay {self.address} answered no ping for "
+                                            f"{self.liveness_s:g} s while we waited for it to {what}")
+        finally:
+            if probe is not None:
+                probe.close(linger=0)
+
+    def answers_ping(self, timeout_s: float) -> bool:
+        """Whether the relay answers a ping within `timeout_s`."""
+        # A socket of its own: a request in flight on the main one stays undisturbed.
+        with RelayClient(self.address, timeout_s=timeout_s) as probe:
+            try:
+                probe.ping()
+                return True
+            except RelayError:
+                return False
 
 
 def _tensor_specs(arrays: Mapping[str, np.ndarray]) -> list[dict]:
@@ -247,20 +304,20 @@ class _LentSlot:
     def capacity(self) -> int:
         return len(self.mm) - store.SLOT_TAIL
 
-    def lock(self, timeout_s: float, address: str) -> None:
+    def try_lock(self, wait_s: float) -> bool:
         """Take the slot's lock once the relay has taken the version handed off in it
-        before and copied it out (about one memory copy; a relay that dies drops it)."""
-        deadline = time.monotonic() + timeout_s
+        before and copied it out (about one memory copy; a relay that dies drops it);
+        False if that has not happened within `wait_s`."""
+        deadline = time.monotonic() + wait_s
         while True:
             if self.pending is None or self.marks[store.SLOT_TAKEN] >= self.pending:
                 try:
                     fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return
+                    return True
                 except BlockingIOError:
                     pass
             if time.monotonic() > deadline:
-                raise RelayTimeout(f"relay {address} did not free its inbox slot "
-                                   f"within {timeout_s:g} s")
+                return False
             time.sleep(50e-6)
 
 
@@ -279,50 +336,84 @@ class MasterPublisher:
     When the master does not answer, it asks the other relays which master the tier
     controller has elected since, re-hands the last version over if the new master lacks
     it (a version the old master held but had not finished broadcasting), and retries.
+
+    `timeout_s` bounds a call to a master that answers pings (a big, slow transfer);
+    `liveness_s` bounds the wait on one that has stopped answering them (SIGSTOPped,
+    hung), and a master the tier has replaced meanwhile is left at once. With the tier's
+    detection window (`fnrl.relay.chain.detection_window_s`) a hung master costs a
+    publish about that window plus one publish.
     """
 
     def __init__(self, addresses: Sequence[str], *, timeout_s: float = 60.0,
-                 failover_timeout_s: float = 30.0):
+                 failover_timeout_s: float = 30.0, liveness_s: float | None = None):
         if not addresses:
             raise ValueError("addresses=[]: need at least one relay")
         self.addresses = list(addresses)
         self.timeout_s, self.failover_timeout_s = timeout_s, failover_timeout_s
-        self.master = RelayClient(self.addresses[0], timeout_s=timeout_s)
+        self.liveness_s = liveness_s
+        self.master = self._client(self.addresses[0])
 
     def latest(self) -> VersionManifest | None:
-        return self._with_failover(lambda c: c.latest())
+        return self._with_failover(lambda c, retry: c.latest())
 
     def publish(self, version: int, tensors: Mapping[str, np.ndarray], *,
                 wait: str = "held") -> None:
-        self._with_failover(lambda c: c.publish(version, tensors, wait=wait))
+        def attempt(client: RelayClient, retry: bool) -> None:
+            # A master that recovered may hold the version its silence cut short.
+            latest = client.latest() if retry else None
+            if latest is None or latest.version < version:
+                client.publish(version, tensors, wait=wait)
+
+        self._with_failover(attempt)
 
     def close(self) -> None:
         self.master.close()
 
+    def _client(self, address: str) -> RelayClient:
+        return RelayClient(address, timeout_s=self.timeout_s, liveness_s=self.liveness_s,
+                           superseded=lambda: self._elected_elsewhere(address))
+
+    def _elected_elsewhere(self, address: str) -> bool:
+        """Whether another relay names a master other than `address` (the tier replaced it)."""
+        for peer in self.addresses:
+            if peer != address and self._elected_by(peer) not in (None, address):
+                return True
+        return False
+
+    def _elected_by(self, peer: str) -> str | None:
+        """The master `peer` was told of by the tier; None if it does not answer or has
+        not been given a place yet."""
+        probe_s = 1.0 if self.liveness_s is None else min(1.0, self.liveness_s / 3)
+        try:
+            with RelayClient(peer, timeout_s=probe_s) as relay:
+                ping = relay.ping()
+        except RelayError:
+            return None
+        return ping["master_address"] if ping["epoch"] >= 0 else None
+
     def _with_failover(self, call):
         try:
-            return call(self.master)
+            return call(self.master, False)
         except RelayTimeout as err:
             log.warning("master relay %s did not answer (%s); looking for the new master",
                         self.master.address, err)
         self._follow_new_master()
-        return call(self.master)
+        return call(self.master, True)
 
     def _follow_new_master(self) -> None:
+        """Switch to the master the tier elected; or stay, if ours answers again and no
+        other has been elected (a master that was slow, not dead)."""
         dead = self.master.address
         deadline = time.monotonic() + self.failover_timeout_s
         while time.monotonic() < deadline:
             for address in self.addresses:
-                if address == dead:
-                    continue
-                try:
-                    with RelayClient(address, timeout_s=1.0) as relay:
-                        elected = relay.ping()["master_address"]
-                except RelayError:
-                    continue
-                if elected != dead:
+                elected = None if address == dead else self._elected_by(address)
+                if elected not in (None, dead):
                     self._switch(elected)
                     return
+            if self.master.answers_ping(1.0):
+                log.warning("master relay %s answers again; retrying", dead)
+                return
             time.sleep(0.2)
         raise RelayTimeout(f"no new master relay elected within {self.failover_timeout_s:g} s "
                            f"after {dead} stopped answering")
@@ -330,7 +421,7 @@ class MasterPublisher:
     def _switch(self, address: str) -> None:
         last = self.master.last_published
         self.master.close()
-        self.master = RelayClient(address, timeout_s=self.timeout_s)
+        self.master = self._client(address)
         log.warning("publishing to the new master relay %s", address)
         latest = self.master.latest()
         if last is not None and (latest is None or latest.version < last[0]):

@@ -28,16 +28,35 @@ import dataclasses
 import json
 import logging
 import random
-from typing import TYPE_CHECKING
+from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
+from fnrl.config import RelayConfig
 from fnrl.relay import store
-
-if TYPE_CHECKING:
-    from fnrl.relay.role import Held, Relay
+from fnrl.relay.store import Held
 
 log = logging.getLogger("fnrl.relay")
+
+
+class Relay(Protocol):
+    """What the data plane needs of its relay (fnrl.relay.role.Relay): the held
+    versions, the chain, and the relay's event loop."""
+
+    name: str
+    cfg: RelayConfig
+    chain: dict[str, Any]
+    filling: Held | None
+    complete: list[Held]
+
+    def newest_version(self) -> int: ...
+    def begin(self, layout: store.VersionManifest) -> Held: ...
+    def abort(self, held: Held, why: str) -> None: ...
+    def finish(self, held: Held) -> None: ...
+    def spawn(self, coro: Awaitable) -> Any: ...
+    async def notify(self) -> None: ...
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> bool: ...
+
 
 PREAMBLE_TAG = 1
 HEADER, NEED, DONE, SUM = 1, 2, 3, 16  # DATA of chunk i is SUM + 2i + 1

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import dataclasses
-
+from fnrl.config import RelayConfig
 from fnrl.relay import store
 from fnrl.relay.client import RelayClient, RelayError
-from fnrl.relay.config import RelayConfig
 from fnrl.relay.role import segment_prefix
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from fnrl.shell import procs
 
 
 def relay_argv(address: str, name: str, cfg: RelayConfig | None = None) -> list[str]:
@@ -40,19 +31,17 @@ def relay_argv(address: str, name: str, cfg: RelayConfig | None = None) -> list[
 
 def launch_relay(address: str, name: str, log_path: str | os.PathLike,
                  cfg: RelayConfig | None = None) -> subprocess.Popen:
-    """Start `python -m fnrl.relay.role`; stdout and stderr go to `log_path`."""
+    """Start `python -m fnrl.relay.role`; stdout and stderr go to `log_path`.
+
+    It stays in its parent's session and is not tied to the spawning thread's life:
+    the tier starts relays from short-lived threads, and `stop_relay` (or the job's
+    `Cluster`) ends them."""
     fnrl_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (fnrl_root, env.get("PYTHONPATH")) if p)
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            relay_argv(address, name, cfg),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+    return procs.spawn(relay_argv(address, name, cfg), log_path, env=env, own_session=False,
+                       with_parent=False)
 
 
 def wait_relay_ready(address: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> dict:
@@ -72,12 +61,6 @@ def wait_relay_ready(address: str, proc: subprocess.Popen, timeout_s: float = 30
 def stop_relay(proc: subprocess.Popen, name: str, timeout_s: float = 10.0) -> None:
     """SIGTERM (the relay unlinks its segments), SIGKILL if it lingers, then remove
     whatever segments this process left behind."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
+    procs.stop(proc, timeout_s, group=False)
     for path in store.SHM_DIR.glob(f"{segment_prefix(name)}{proc.pid}-*"):
         store.unlink_segment(path.name)

@@ -50,9 +50,10 @@ import tyro
 import zmq
 import zmq.asyncio
 
+from fnrl.config import RelayConfig
 from fnrl.relay import store
-from fnrl.relay.config import RelayConfig
 from fnrl.relay.data_plane import DataPlane
+from fnrl.relay.store import Held
 
 log = logging.getLogger("fnrl.relay")
 
@@ -107,28 +108,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-@dataclasses.dataclass(eq=False)
-class Held:
-    """A version this relay holds or is filling. `buf` maps its segment; chunks below
-    `ready` are written and verified, `sums` holds their checksums."""
-
-    manifest: store.VersionManifest
-    mm: mmap.mmap | None
-    buf: np.ndarray | None  # both None once released
-    sums: list[int] = dataclasses.field(default_factory=list)
-    ready: int = 0
-    state: str = "filling"  # then "complete" or "aborted"
-    handed_off: bool = False  # published to this relay (not received from upstream)
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-    def chunk(self, i: int) -> np.ndarray:
-        lo, hi = store.chunk_ranges(self.manifest.total_bytes, self.manifest.chunk_bytes)[i]
-        return self.buf[lo:hi]
 
 
 @dataclasses.dataclass(eq=False)

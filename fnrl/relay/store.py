@@ -128,6 +128,28 @@ def segment_checksums(buf: np.ndarray, total_bytes: int, chunk_bytes: int) -> tu
     return tuple(checksum(buf[lo:hi]) for lo, hi in chunk_ranges(total_bytes, chunk_bytes))
 
 
+@dataclasses.dataclass(eq=False)
+class Held:
+    """A version this relay holds or is filling. `buf` maps its segment; chunks below
+    `ready` are written and verified, `sums` holds their checksums."""
+
+    manifest: VersionManifest
+    mm: mmap.mmap | None
+    buf: np.ndarray | None  # both None once released
+    sums: list[int] = dataclasses.field(default_factory=list)
+    ready: int = 0
+    state: str = "filling"  # then "complete" or "aborted"
+    handed_off: bool = False  # published to this relay (not received from upstream)
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    def chunk(self, i: int) -> np.ndarray:
+        lo, hi = chunk_ranges(self.manifest.total_bytes, self.manifest.chunk_bytes)[i]
+        return self.buf[lo:hi]
+
+
 def verify_version(manifest: VersionManifest) -> bool:
     """Re-read a visible version from /dev/shm and check every chunk's checksum."""
     buf = _map_for_reading(manifest)

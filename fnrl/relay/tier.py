@@ -3,7 +3,8 @@
 It observes (pings every relay: alive? which version?), decides with the pure functions
 of `fnrl.relay.chain`, and acts by sending each relay its place in the chain. A monitor
 thread repeats this every `heartbeat_s`, so a dead relay is spliced out and a dead
-master replaced without anyone asking.
+master replaced without anyone asking. Every repair is recorded (`events`), and `stop`
+ends every relay the tier knew, stopped (SIGSTOP) or spliced-out ones included.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from fnrl.relay import chain as chain_policy
 from fnrl.relay.client import RelayClient, RelayError
-from fnrl.relay.config import RelayConfig
-from fnrl.relay.launch import free_port, launch_relay, stop_relay, wait_relay_ready
+from fnrl.config import RelayConfig
+from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
+from fnrl.shell.net import free_port
 
 log = logging.getLogger("fnrl.relay")
 
@@ -33,6 +37,42 @@ class RelayMember:
     proc: subprocess.Popen | None = None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChainRepair:
+    """One relay spliced out of the chain by the tier (with the master re-elected if it
+    was the master). Times are epoch seconds; durations come from the monotonic clock."""
+
+    relay: str
+    cause: str
+    """"exited" (killed or crashed), "stopped" (SIGSTOPped) or "hung" (alive, silent)."""
+    detail: str
+    was_master: bool
+    master: str | None
+    """The master after the repair (None when no relay is left)."""
+    epoch: int
+    failed_at: float
+    """When the tier last saw it serving (its last answered ping)."""
+    detected_at: float
+    repaired_at: float
+    """When the survivors had been sent their new places."""
+    detection_s: float
+    repair_s: float
+
+    @property
+    def down_s(self) -> float:
+        """Seconds from the last answer of the relay to the repaired chain."""
+        return self.detection_s + self.repair_s
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` ("T": stopped), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 class RelayTier:
     """The relays of one job and their broadcast chain."""
 
@@ -43,6 +83,13 @@ class RelayTier:
         self.plan = chain_policy.ChainPlan(
             order=chain_policy.plan_chain([m.name for m in members], None), epoch=0)
         self._misses = {m.name: 0 for m in members}
+        # Last answered ping (wall, monotonic): a repair's start as the tier saw it.
+        now = (time.time(), time.monotonic())
+        self._seen = {m.name: now for m in members}
+        self._pids = {m.name: m.proc.pid for m in members if m.proc is not None}
+        self._events: tuple[ChainRepair, ...] = ()  # replaced whole: read without the lock
+        # Every relay process ever handed to the tier: `stop` ends them all, spliced or not.
+        self._owned = {m.proc.pid: m for m in members if m.proc is not None}
         self.configured_epoch = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -132,8 +179,11 @@ class RelayTier:
                     continue
                 with RelayClient(member.address, timeout_s=self.cfg.heartbeat_timeout_s) as c:
                     try:
-                        versions[name] = c.ping()["version"]
+                        ping = c.ping()
+                        versions[name] = ping["version"]
+                        self._pids.setdefault(name, ping["pid"])
                         self._misses[name] = 0
+                        self._seen[name] = (time.time(), time.monotonic())
                     except RelayError:
                         self._misses[name] += 1
                         if self._misses[name] >= self.cfg.heartbeat_misses:
@@ -142,14 +192,42 @@ class RelayTier:
             plan = chain_policy.repair(self.plan, alive, versions)
             if plan == self.plan:
                 return False
-            self.removed += [n for n in self.plan.order if n not in plan.order]
+            detected = (time.time(), time.monotonic())
+            gone = [n for n in self.plan.order if n not in plan.order]
+            causes = {n: self._cause(n) for n in gone}
+            self.removed += gone
             log.warning("relay chain epoch %d: %s (removed %s)", plan.epoch, " -> ".join(plan.order),
-                        [n for n in self.plan.order if n not in plan.order])
-            self.plan = plan
+                        {n: " ".join(c) for n, c in causes.items()})
+            old_master, self.plan = self.plan.master, plan
             if plan.order:
                 self.configure()
             self.configured_epoch = plan.epoch   # survivors have their new places
+            repaired = (time.time(), time.monotonic())
+            self._events += tuple(ChainRepair(
+                relay=n, cause=causes[n][0], detail=causes[n][1], was_master=n == old_master,
+                master=plan.master, epoch=plan.epoch, failed_at=self._seen[n][0],
+                detected_at=detected[0], repaired_at=repaired[0],
+                detection_s=detected[1] - self._seen[n][1], repair_s=repaired[1] - detected[1],
+            ) for n in gone)
             return True
+
+    def _cause(self, name: str) -> tuple[str, str]:
+        """Why `name` left the chain: ("exited" | "stopped" | "hung", a detail)."""
+        proc = self.members[name].proc
+        if proc is not None and proc.poll() is not None:
+            return "exited", f"exit code {proc.returncode}"
+        pid = self._pids.get(name)
+        state = None if pid is None else process_state(pid)
+        if state is None and pid is not None:  # not our child, and gone
+            return "exited", f"pid {pid} gone"
+        if state in ("T", "t"):
+            return "stopped", f"pid {pid} stopped (SIGSTOP)"
+        return "hung", f"{self._misses[name]} pings unanswered (pid {pid}, state {state})"
+
+    def events(self) -> tuple[ChainRepair, ...]:
+        """Every chain repair since the tier started, oldest first (one per relay removed).
+        Never waits for a `check` in progress (which may be pinging a hung relay)."""
+        return self._events
 
     def start_monitor(self) -> None:
         """Run `check` every `heartbeat_s` in a daemon thread until `stop`."""
@@ -169,9 +247,17 @@ class RelayTier:
         if self._monitor is not None:
             self._monitor.join(timeout=10)
 
-    def stop(self) -> None:
-        """Stop the monitor and every relay process this tier started."""
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the monitor and every relay process the tier was ever given, spliced-out
+        ones included: SIGTERM, SIGKILL after `grace_s`, then unlink whatever segments
+        each left (a SIGKILLed or stopped relay cannot). Safe to call again."""
         self.stop_monitor()
-        for member in self.members.values():
-            if member.proc is not None:
-                stop_relay(member.proc, member.name)
+        for member in list(self._owned.values()):
+            if member.proc.poll() is None:
+                # A SIGSTOPped relay would hold SIGTERM pending until SIGKILL, and its
+                # SIGTERM handler is what unlinks its segments cleanly.
+                try:
+                    os.kill(member.proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            stop_relay(member.proc, member.name, grace_s)

@@ -15,23 +15,46 @@ The VLLM_CPU_* variables are ignored on GPU, and the executor is the same there.
 Everywhere: `--generation-config vllm`, so a model's generation_config.json cannot
 change the sampling defaults (top_p, top_k, repetition penalty) behind our back, and
 `VLLM_SERVER_DEV_MODE=1` for /collective_rpc and /reset_prefix_cache.
+
+KV cache memory, as vllm-cpu 0.32 really does it (vllm/v1/worker/cpu_worker.py):
+  * `--gpu-memory-utilization f` asks for `f x MemTotal` (of NUMA node 0, from
+    /sys/devices/system/node/node0/meminfo) for the WHOLE worker process (torch,
+    weights and KV: KV = f x total - the process's RSS after a warm-up pass), and the
+    worker refuses to start if `f x total` exceeds what is available then. So a
+    fraction that worked on an idle box fails once other processes hold memory, and one
+    below the RSS leaves no KV at all. On this VM node 0's MemTotal moves (8.5 to 16 GiB
+    of a 23.5 GiB host, seen in one hour), so a fraction is not even a fixed size.
+  * `--kv-cache-memory-bytes N` (what `VLLM_CPU_KVCACHE_SPACE`, in GiB, sets too)
+    reserves exactly N bytes for KV, checked only against available memory, and skips
+    the warm-up pass under `--enforce-eager`.
+  * Blocks hold 128 tokens (the CPU default for non-MLA models); one block is vLLM's
+    null block and never holds a token.
+So by default a server gets `--kv-cache-memory-bytes` sized from what it must hold
+(`kv_reservation_bytes`), and `launch_server` first checks that the KV, the weights and
+the process overhead fit in MemAvailable (and the KV in node 0's available memory, as
+vLLM checks), raising ValueError with the figures if not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import json
+import math
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fnrl.relay.launch import free_port
+from fnrl.shell import procs
+from fnrl.shell.files import log_tail
 
-__all__ = ["ServerSpec", "free_port", "launch_server", "stop_server", "wait_ready"]
+__all__ = ["HostMemory", "ServerSpec", "check_memory", "kv_bytes_per_token",
+           "kv_reservation_bytes", "launch_server", "stop_server", "wait_ready"]
 
 WORKER_EXTENSION = "fnrl.serving.worker_ext.RelayWeightLoader"
 
@@ -45,9 +68,10 @@ class ServerSpec:
     port: int
     max_model_len: int
     max_num_seqs: int
-    kv_memory_fraction: float = 0.2
-    """--gpu-memory-utilization: fraction of GPU memory, or of RAM on CPU, for the
-    KV cache (CPU: the default 0.92 fails)."""
+    kv_memory_fraction: float = 0.0
+    """0: reserve the KV cache that max_num_seqs sequences of max_model_len tokens
+    need (`kv_reservation_bytes`). Else an explicit --gpu-memory-utilization: on CPU the
+    fraction of total RAM for the whole server process (see the module docstring)."""
     seed: int = 0
     dtype: str = "float32"
     cpu_threads: int = 1
@@ -55,8 +79,9 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction}: not in (0, 1]")
+        if not 0 <= self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction}: not in [0, 1] "
+                             "(0: sized from max_num_seqs x max_model_len)")
         for name in ("port", "max_model_len", "max_num_seqs", "cpu_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
@@ -66,7 +91,173 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+KV_BLOCK_TOKENS = 128
+"""Tokens per KV block: vllm-cpu's default for non-MLA models (platforms/cpu.py)."""
+KV_SPARE_PERCENT = 10
+"""Spare blocks above a full batch at max_model_len, for what a vLLM version may add per
+request (lookahead slots of speculative decoding, a sliding-window remainder)."""
+SERVER_PROCESS_BYTES = 3 * 2**29
+"""Memory of one server besides weights and KV: Python, torch and vLLM in the API server
+and the engine core (measured on the 2-layer test model with a 9 MiB KV cache: 0.67 +
+0.70 GiB RSS; MemAvailable fell by 0.92 GiB, the two share pages)."""
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """Memory now, in bytes: the host's (/proc/meminfo MemTotal, MemAvailable) and
+    vllm-cpu's own view, NUMA node 0's (free + file cache + reclaimable), which its start
+    checks read and which on some VMs is far below the host's (8.5 of 23.5 GiB here)."""
+
+    total_bytes: int
+    available_bytes: int
+    node_total_bytes: int
+    node_available_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerMemory:
+    """What one server will hold, and how that was worked out."""
+
+    model_dir: str
+    needed_bytes: int
+    """All it holds: checked against the host's available memory."""
+    vllm_checked_bytes: int
+    """What vLLM itself checks against node 0's available memory at start: the KV, or
+    node total x kv_memory_fraction."""
+    detail: str
+
+
+def kv_bytes_per_token(model_config: Mapping, dtype: str) -> int:
+    """K and V of one token over all layers: layers x 2 x kv_heads x head_dim x dtype bytes.
+
+    `model_config` is the model's config.json; dtype "auto" takes the checkpoint's, an
+    upper bound (vLLM may serve a float32 checkpoint in 16 bits).
+    """
+    cfg = model_config.get("text_config", model_config)
+    if dtype == "auto":
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={dtype!r}: KV size unknown (one of {sorted(DTYPE_BYTES)})")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_reservation_bytes(*, bytes_per_token: int, max_num_seqs: int, max_model_len: int,
+                         block_tokens: int = KV_BLOCK_TOKENS,
+                         spare_percent: int = KV_SPARE_PERCENT) -> int:
+    """KV bytes for `max_num_seqs` sequences of `max_model_len` tokens, in whole blocks.
+
+    Each sequence holds whole blocks; the spare blocks round up, and one more is vLLM's
+    null block. Integer arithmetic, so 100 blocks + 10% is 110, not 111.
+    """
+    blocks = max_num_seqs * -(-max_model_len // block_tokens)
+    blocks = -(-blocks * (100 + spare_percent) // 100) + 1
+    return blocks * block_tokens * bytes_per_token
+
+
+def check_fits(servers: Sequence[ServerMemory], memory: HostMemory) -> None:
+    """Raise ValueError naming every figure if `servers` need more than is available."""
+    needed = sum(s.needed_bytes for s in servers)
+    checked = sum(s.vllm_checked_bytes for s in servers)
+    if needed <= memory.available_bytes and checked <= memory.node_available_bytes:
+        return
+    gib = 2**30
+    each = "; ".join(f"{s.model_dir}: {s.needed_bytes / gib:.2f} GiB ({s.detail})"
+                     for s in servers)
+    raise ValueError(
+        f"{len(servers)} vLLM server(s) need {needed / gib:.2f} GiB of memory, "
+        f"{checked / gib:.2f} GiB of it checked by vLLM against NUMA node 0 [{each}]; "
+        f"available now: {memory.available_bytes / gib:.2f} GiB of "
+        f"{memory.total_bytes / gib:.2f} GiB on the host, "
+        f"{memory.node_available_bytes / gib:.2f} GiB of "
+        f"{memory.node_total_bytes / gib:.2f} GiB on node 0. Lower max_num_seqs "
+        "(--rollout.max-num-seqs) or the model's max length, stop what holds memory, or "
+        "set kv_memory_fraction (--rollout.kv-memory-fraction) to choose vLLM's "
+        "reservation yourself."
+    )
+
+
+def read_host_memory() -> HostMemory:
+    """The host's memory from /proc/meminfo (psutil where there is none) and node 0's
+    as vllm-cpu reads it (vllm/utils/cpu_resource_utils.py; the host's if no node)."""
+    host, node = _meminfo("/proc/meminfo"), _meminfo("/sys/devices/system/node/node0/meminfo")
+    if not host:
+        import psutil  # vLLM depends on it; only non-Linux hosts get here
+
+        vm = psutil.virtual_memory()
+        host = {"MemTotal": vm.total, "MemAvailable": vm.available}
+    node_available = sum(node.get(k, 0) for k in
+                         ("MemFree", "Active(file)", "Inactive(file)", "SReclaimable"))
+    return HostMemory(total_bytes=host["MemTotal"], available_bytes=host["MemAvailable"],
+                      node_total_bytes=node.get("MemTotal", host["MemTotal"]),
+                      node_available_bytes=node_available if node else host["MemAvailable"])
+
+
+def _meminfo(path: str) -> dict[str, int]:
+    """`Key: N kB` lines (`Node 0 Key: N kB` in a node's file) as bytes; {} if absent."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if ":" in line)
+    return {k.split()[-1]: int(v.split()[0]) * 1024 for k, v in fields}
+
+
+def kv_cache_bytes(spec: ServerSpec) -> int:
+    """--kv-cache-memory-bytes for `spec` (reads the model's config.json)."""
+    config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+    return kv_reservation_bytes(bytes_per_token=kv_bytes_per_token(config, spec.dtype),
+                                max_num_seqs=spec.max_num_seqs,
+                                max_model_len=spec.max_model_len)
+
+
+def server_memory(spec: ServerSpec, memory: HostMemory) -> ServerMemory:
+    """What `spec`'s server will hold: the KV it needs, its weights and the process."""
+    if spec.kv_memory_fraction:
+        # vLLM's start check: the fraction of node 0's total covers the whole process.
+        # (A fraction below the engine core's RSS leaves no KV; vLLM says so itself.)
+        reserved = math.ceil(memory.node_total_bytes * spec.kv_memory_fraction)
+        return ServerMemory(model_dir=spec.model_dir, needed_bytes=reserved,
+                            vllm_checked_bytes=reserved,
+                            detail=f"kv_memory_fraction={spec.kv_memory_fraction:g} of node 0")
+    kv = kv_cache_bytes(spec)
+    weights = sum(p.stat().st_size for p in Path(spec.model_dir).iterdir()
+                  if p.suffix in (".safetensors", ".bin", ".pt"))
+    gib = 2**30
+    return ServerMemory(
+        model_dir=spec.model_dir, needed_bytes=kv + weights + SERVER_PROCESS_BYTES,
+        vllm_checked_bytes=kv,
+        detail=f"KV {kv / gib:.2f} GiB for max_num_seqs={spec.max_num_seqs} x "
+        f"max_model_len={spec.max_model_len} tokens, weights {weights / gib:.2f} GiB, "
+        f"process {SERVER_PROCESS_BYTES / gib:.2f} GiB")
+
+
+def check_memory(specs: Sequence[ServerSpec], memory: HostMemory | None = None) -> None:
+    """Raise ValueError before any start if `specs`' servers together do not fit in the
+    host memory available now. On GPU builds of vLLM the KV is not in host memory, and
+    vLLM checks device memory itself."""
+    if not _kv_in_host_memory():
+        return
+    memory = memory or read_host_memory()
+    check_fits([server_memory(s, memory) for s in specs], memory)
+
+
+def _kv_in_host_memory() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def server_command(spec: ServerSpec) -> list[str]:
+    if spec.kv_memory_fraction:
+        kv_args = ["--gpu-memory-utilization", str(spec.kv_memory_fraction)]
+    else:
+        kv_args = ["--kv-cache-memory-bytes", str(kv_cache_bytes(spec))]
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model_dir,
@@ -75,7 +266,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--dtype", spec.dtype,
         "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
-        "--gpu-memory-utilization", str(spec.kv_memory_fraction),
+        *kv_args,
         "--seed", str(spec.seed),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enforce-eager",
@@ -103,25 +294,16 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
-def launch_server(spec: ServerSpec, log_path: str | os.PathLike, *,
-                  preexec_fn=None) -> subprocess.Popen:
-    """Start the server in its own process group; stdout and stderr go to `log_path`.
+def launch_server(spec: ServerSpec, log_path: str | os.PathLike) -> subprocess.Popen:
+    """Start the server in its own session, killed with the thread that starts it;
+    stdout and stderr go to `log_path`.
 
     Stop it with `stop_server`, which ends the whole group (vLLM's engine core is a
-    child process).
+    child process, and dies with the server: worker_ext). Raises ValueError, starting
+    nothing, if it would not fit in the host memory available now (`check_memory`).
     """
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            server_command(spec),
-            env=server_env(spec),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=preexec_fn,
-        )
-    proc.fnrl_log_path = Path(log_path)  # for wait_ready's error messages
-    return proc
+    check_memory([spec])
+    return procs.spawn(server_command(spec), log_path, env=server_env(spec))
 
 
 def wait_ready(
@@ -141,7 +323,7 @@ def wait_ready(
         if proc.poll() is not None:
             raise RuntimeError(
                 f"vLLM server {base_url} exited with code {proc.returncode} before "
-                f"it was ready{_log_tail(log_path)}"
+                f"it was ready{log_tail(log_path, lines=60)}"
             )
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
@@ -151,7 +333,7 @@ def wait_ready(
             pass
         if time.monotonic() - start > timeout_s:
             raise RuntimeError(
-                f"vLLM server {base_url} not ready after {timeout_s:g} s{_log_tail(log_path)}"
+                f"vLLM server {base_url} not ready after {timeout_s:g} s{log_tail(log_path, lines=60)}"
             )
         time.sleep(0.25)
 
@@ -162,30 +344,4 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     The group is signalled even if the API server already exited, in case its engine
     core outlived it.
     """
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)  # start_new_session made the server a group leader
-        except ProcessLookupError:
-            break
-        if _wait_group(proc, timeout_s):
-            break
-    proc.wait(timeout_s)
-
-
-def _wait_group(proc: subprocess.Popen, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        proc.poll()  # reap the leader: a zombie still counts as a group member
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _log_tail(log_path: str | os.PathLike | None, n_bytes: int = 4000) -> str:
-    if log_path is None or not Path(log_path).exists():
-        return ""
-    data = Path(log_path).read_bytes()[-n_bytes:]
-    return f"; last lines of {log_path}:\n{data.decode(errors='replace')}"
+    procs.stop(proc, timeout_s)

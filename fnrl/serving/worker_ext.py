@@ -11,14 +11,14 @@ from __future__ import annotations
 import multiprocessing
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from fnrl.control.lifetime import die_with_parent
 from fnrl.relay.client import RelayClient
-from fnrl.relay.store import open_version
+from fnrl.relay.store import VersionManifest, open_version
+from fnrl.shell.procs import die_with_parent
 
 if multiprocessing.parent_process() is not None:
     # vLLM's engine process (it imports this extension): die with the API server, which
@@ -41,6 +41,35 @@ def torch_views(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, torch.T
                 yield name, torch.from_numpy(a)
 
 
+def pull(relay: RelayClient, *, served: int, reload: Callable[[Mapping[str, np.ndarray]], None],
+         timeout_s: float, min_version: int = -1) -> VersionManifest | None:
+    """Hand the relay's latest version to `reload` if it is newer than `served`; returns
+    its manifest, or None when there was nothing newer.
+
+    `min_version`: first wait (up to `timeout_s`) until the relay holds that version;
+    the relay's error propagates if it does not, and nothing is loaded. A version the
+    relay retires between `latest` and `open` is asked for again, `_OPEN_ATTEMPTS` times.
+    """
+    if min_version > served:
+        relay.wait_version(min_version, timeout_s=timeout_s)
+    for _ in range(_OPEN_ATTEMPTS):
+        manifest = relay.latest()
+        if manifest is None or manifest.version <= served:
+            return None
+        try:
+            arrays = open_version(manifest)
+            break
+        except FileNotFoundError:  # unlinked by two newer publishes; ask again
+            continue
+    else:
+        raise RuntimeError(
+            f"relay {relay.address}: could not open a version in "
+            f"{_OPEN_ATTEMPTS} attempts; versions are replaced faster than read"
+        )
+    reload(arrays)
+    return manifest
+
+
 class RelayWeightLoader:
     """Methods added to every vLLM worker; state lives on the worker object."""
 
@@ -54,27 +83,19 @@ class RelayWeightLoader:
         what this worker serves.
         """
         timeout_s = float(timeout_s)  # collective_rpc over HTTP passes strings
+
+        def reload(arrays: Mapping[str, np.ndarray]) -> None:
+            start = time.perf_counter()
+            self.reload_weights(weights_iterator=torch_views(arrays))
+            self._fnrl_reload_s = time.perf_counter() - start
+
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:
-            if int(min_version) > self.fnrl_version():
-                relay.wait_version(int(min_version), timeout_s=timeout_s)
-            for _ in range(_OPEN_ATTEMPTS):
-                manifest = relay.latest()
-                if manifest is None or manifest.version <= self.fnrl_version():
-                    return self.fnrl_version()
-                try:
-                    arrays = open_version(manifest)
-                    break
-                except FileNotFoundError:  # unlinked by two newer publishes; ask again
-                    continue
-            else:
-                raise RuntimeError(
-                    f"relay {relay_address}: could not open a version in "
-                    f"{_OPEN_ATTEMPTS} attempts; versions are replaced faster than read"
-                )
-        start = time.perf_counter()
-        self.reload_weights(weights_iterator=torch_views(arrays))
+            manifest = pull(relay, served=self.fnrl_version(), reload=reload,
+                            timeout_s=timeout_s, min_version=int(min_version))
+        if manifest is None:
+            return self.fnrl_version()
+        # Only after a load that returned: a failed one leaves the old version served.
         self._fnrl_version = manifest.version
-        self._fnrl_reload_s = time.perf_counter() - start
         # In the rollout's log: which relay each version came from (the e2e test reads it).
         print(f"fnrl_pull: version {manifest.version} from relay {relay_address} in "
               f"{self._fnrl_reload_s * 1e3:.1f} ms", flush=True)

@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from fnrl.config import AlgoConfig, TrainerConfig
-from fnrl.losses.advantages import informative, overlong_penalty
+from fnrl.losses.advantages import overlong_penalty
+from fnrl.policy.filtering import informative
 from fnrl.losses.core import ADVANTAGES
 
 Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward
@@ -226,6 +227,5 @@ def make_batch(groups, trainer_version: int, *, algo, trainer, seq_len: int, pad
         "staleness_max": int(staleness.max()),
         "staleness_hist": np.bincount(staleness, minlength=1).tolist(),
         "response_len_mean": float(np.mean([len(t.response_ids) for t in trajs])),
-        "per_token_versions_ok": all(len(t.versions) == len(t.response_ids) for t in trajs),
     }
     return arrays, stats

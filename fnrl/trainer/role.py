@@ -22,11 +22,13 @@ import numpy as np
 import zmq
 
 from fnrl.config import RunConfig, from_dict
-from fnrl.control import wire
 from fnrl.models.hf_io import load_pretrained, params_to_hf
 from fnrl.models.qwen2 import logical_axes
+from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for
+from fnrl.shell import wire
+from fnrl.shell.files import write_atomic
 from fnrl.trainer.checkpoint import Checkpointer
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 
@@ -103,9 +105,7 @@ class Trainer:
         path = self.run_dir / BATCH_SPECS
         specs = json.loads(path.read_text()) if path.exists() else []
         if spec not in specs:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(specs + [spec]))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(specs + [spec]))
 
     def hf_weights(self) -> dict[str, np.ndarray]:
         return params_to_hf(self.model_cfg, jax.device_get(self.state.params))
@@ -147,7 +147,9 @@ def serve(args: argparse.Namespace) -> None:
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(args.address)
     # Relays in chain order, master first; the publisher follows a re-elected master.
-    relay = MasterPublisher(args.relay.split(","), timeout_s=120.0)
+    # A master that stops answering is left after the tier's detection window, not 120 s.
+    relay = MasterPublisher(args.relay.split(","), timeout_s=120.0,
+                            liveness_s=detection_window_s(cfg.relay))
     trainer = None
     while True:
         header, arrays = wire.decode(sock.recv_multipart(copy=False))

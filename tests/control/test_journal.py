@@ -48,3 +48,20 @@ def test_a_torn_tail_is_ignored_and_a_missing_journal_is_a_fresh_run(tmp_path):
     assert replay(tmp_path / "none.jsonl", trainer_version=0).prompts_taken == 0
     lines = (tmp_path / "j.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["ev"] == "fill"
+
+
+def test_records_after_a_torn_line_survive_the_next_restart(tmp_path):
+    path = tmp_path / "j.jsonl"
+    _write(path, trained_last=True, torn=True)
+    # The restarted controller appends; a second restart must still see every record.
+    j = Journal(path)
+    j.write("fill", problem=_problem("f"), uids=["f/0", "f/1"], lens=[None, None])
+    j.write("consume", version=2, groups=["c"])
+    j.write("trained", version=2)
+    j.close()
+    r = replay(path, trainer_version=3)
+    assert r.prompts_taken == 5 and r.consumed == {"a", "b", "c"}
+    assert [g.problem["uid"] for g in r.outstanding()] == ["f"]
+    assert r.trained_steps == 3
+    for line in path.read_text().splitlines():
+        json.loads(line)

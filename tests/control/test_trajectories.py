@@ -1,11 +1,12 @@
 """The controller's trajectory table and the long-tailed workload, without processes."""
 
 import numpy as np
+import pytest
 
 from fnrl.config import RolloutConfig
 from fnrl.control.trajectories import IN_TS, TrajectoryTable
 from fnrl.control.workload import forced_length
-from fnrl.data.arith import Problem
+from fnrl.types import Problem
 
 
 def table_with_two_groups():
@@ -45,14 +46,29 @@ def test_kv_counts_context_of_placed_running_trajectories_only():
     assert snap.traj_len_N.tolist() == [7, 3, 3]
 
 
-def test_reward_and_drop_events_are_drained_once():
+def test_reward_and_drop_events_are_read_once_and_snapshots_change_nothing():
     table = table_with_two_groups()
     table.rewarded.append(1)
     table.dropped.append(0)
-    first = snapshot(table)
-    assert first.rewarded_gids == (1,) and first.dropped_gids == (0,)
-    second = snapshot(table)
-    assert second.rewarded_gids == () and second.dropped_gids == ()
+    snapshot(table)
+    assert table.rewarded == [1] and table.dropped == [0]    # a snapshot drains nothing
+    assert table.take_events() == ((1,), (0,))
+    assert table.take_events() == ((), ())
+
+
+def test_a_rewarded_group_is_consumed_once():
+    from fnrl.types import Group
+
+    table = table_with_two_groups()
+    group = Group(table.groups[1].problem, ())
+    table.reward(1, group, keep=True)
+    table.reward(0, Group(table.groups[0].problem, ()), keep=False)
+    assert table.take_events() == ((1,), (0,))
+    assert table.consume([1]) == (group,)
+    with pytest.raises(KeyError, match="p1"):
+        table.consume([1])
+    with pytest.raises(KeyError, match="p0"):
+        table.consume([0])                                    # dropped: never trained
 
 
 def test_forced_lengths_are_reproducible_and_heavy_tailed():

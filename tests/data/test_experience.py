@@ -1,10 +1,9 @@
-"""Experience buffer with registered samplers."""
+"""Experience buffer: exact takes, eviction, discard."""
 
 import pytest
 
-from fnrl.data.arith import Problem
-from fnrl.data.experience import SAMPLERS, ExperienceBuffer, add, discard, sample, take
-from fnrl.types import Group, Segment, Trajectory
+from fnrl.data.experience import ExperienceBuffer, add, discard, take
+from fnrl.types import Group, Problem, Segment, Trajectory
 
 
 def group(version: int, uid: str) -> Group:
@@ -16,16 +15,6 @@ def filled(capacity=None):
     buf, _ = add(ExperienceBuffer(capacity=capacity),
                  [(10, group(3, "a")), (11, group(1, "b")), (12, group(2, "c"))])
     return buf
-
-
-def test_fifo_is_arrival_order():
-    batch, rest = sample(filled(), 2, "fifo")
-    assert [x.gid for x in batch] == [10, 11] and [x.gid for x in rest.items] == [12]
-
-
-def test_oldest_version_first():
-    batch, rest = sample(filled(), 2, "oldest_version")
-    assert [x.gid for x in batch] == [11, 12] and [x.gid for x in rest.items] == [10]
 
 
 def test_take_exactly_the_consumed_groups():
@@ -41,9 +30,6 @@ def test_capacity_evicts_oldest_and_discard():
     assert [x.gid for x in discard(buf, [12]).items] == [11, 13]
 
 
-def test_unknown_sampler_and_registry():
-    assert set(SAMPLERS) >= {"fifo", "oldest_version"}
-    with pytest.raises(ValueError, match="unknown sampler"):
-        sample(filled(), 1, "priority")
+def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity=0"):
         ExperienceBuffer(capacity=0)

@@ -30,7 +30,6 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     assert max(max(r["rollout_versions"]) for r in train) >= 1
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 3
     for r in train:
-        assert r["per_token_versions_ok"]
         assert sum(r["staleness_hist"]) == r["tokens"] > 0  # every trained token has a version
         assert r["staleness_max"] <= 4
     # Behaviour log-probs from vLLM reached the trainer: on a fresh version (staleness 0)

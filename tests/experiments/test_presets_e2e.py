@@ -41,8 +41,10 @@ def check_run(run_dir, eta, steps):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     for r in train:
-        assert r["staleness_bound_ok"] and r["eta"] == eta
-        assert r["staleness_max"] <= eta
+        assert r["eta"] == eta and r["staleness_max"] <= eta
+        # The bound was checked on every trained response token.
+        assert r["staleness_checked_tokens"] == sum(r["staleness_hist"])
+        assert r["staleness_checked_max"] == r["staleness_max"]
         assert sum(r["staleness_hist"]) == r["tokens"] > 0
     consumed = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     assert len(consumed) == steps * 4

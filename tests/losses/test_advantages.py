@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from fnrl.losses import ADVANTAGES
-from fnrl.losses.advantages import informative, overlong_penalty, select_groups
+from fnrl.losses.advantages import overlong_penalty
+from fnrl.policy.filtering import informative, select_groups
 
 R = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
 

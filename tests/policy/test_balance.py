@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from fnrl.policy.balance import BalanceConfig, congestion_scores, plan_balance
-from fnrl.policy.routing import CostModel, WorkingView
+from fnrl.config import BalanceConfig, CostModel
+from fnrl.policy.balance import congestion_scores, plan_balance
+from fnrl.policy.routing import WorkingView
 from fnrl.types import ClusterSnapshot, Migrate
 
 

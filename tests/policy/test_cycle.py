@@ -15,11 +15,9 @@ from pathlib import Path
 import numpy as np
 from hypothesis import given, settings, strategies as hst
 
+from fnrl.config import BalanceConfig, CostModel, RepackConfig, RoutingConfig
 from fnrl.policy import staleness as st
-from fnrl.policy.balance import BalanceConfig
 from fnrl.policy.cycle import CycleConfig, decide_cycle, decide_cycle_traced, init_cycle_state
-from fnrl.policy.repack import RepackConfig
-from fnrl.policy.routing import CostModel, RoutingConfig
 from fnrl.types import Consume, FillPrompts, Interrupt, Pull, Route
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from fnrl.policy.repack import RepackConfig, best_fit_consolidation, plan_repack, repack_due
-from fnrl.policy.routing import CostModel, WorkingView
+from fnrl.config import CostModel, RepackConfig
+from fnrl.policy.repack import best_fit_consolidation, plan_repack, repack_due
+from fnrl.policy.routing import WorkingView
 from fnrl.types import ClusterSnapshot, Migrate, Pull
 
 

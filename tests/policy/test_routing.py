@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from fnrl.config import CostModel, RoutingConfig
 from fnrl.policy import staleness as st
-from fnrl.policy.routing import (CostModel, RoutingConfig, SpeculativeState, WorkingView,
-                                 apply_commands, plan_migration, plan_sync, route,
-                                 snapshot_is_valid)
+from fnrl.policy.routing import (SpeculativeState, WorkingView, apply_commands, plan_migration,
+                                 plan_sync, route, snapshot_is_valid)
 from fnrl.types import ClusterSnapshot, Interrupt, Pull, Route
 
 
@@ -22,25 +22,6 @@ def snapshot(*, versions, kv=None, cap=100.0, trajs=(), ps_version=0, complete=N
         inst_num_complete_R=np.zeros(R, np.int64) if complete is None else np.array(complete),
         traj_id_N=t[:, 0], traj_gid_N=t[:, 1], traj_inst_N=t[:, 2],
         traj_waiting_N=t[:, 3].astype(bool), traj_len_N=t[:, 4])
-
-
-def test_cost_model_table4_numbers():
-    """Eq. 11 / Eq. 2 with Table 4's coefficients, by hand."""
-    c = CostModel()
-    # 64 running, 64k KV tokens: k3·64 = 8.0e-3 > k2, so compute-bound.
-    lat = 7.28e-8 * 65536 + 1.25e-4 * 64 + 1.07e-2
-    assert c.step_latency(65536, 64) == pytest.approx(lat)
-    assert c.throughput(65536, 64) == pytest.approx(64 / lat)
-    assert c.ideal_gain(1000) == pytest.approx(1 / (7.28e-8 * 1000 + 1.72e-3 + 1.07e-2))
-    assert c.roofline_batch() == 13          # k2/k3 = 13.76 (digest: "≈ 13.8")
-
-
-def test_marginal_gain_is_zero_when_it_would_wait():
-    c = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
-    kv, n = np.array([0.0, 95.0, 0.0]), np.array([0.0, 1.0, 1.0])
-    n_wait, cap = np.array([0.0, 0.0, 2.0]), np.full(3, 100.0)
-    gain = c.marginal_gain(kv, n, n_wait, cap, c.throughput(kv, n), 10)
-    np.testing.assert_allclose(gain, [1.0, 0.0, 0.0])  # KV full; a queue already waits
 
 
 @pytest.mark.parametrize("mu, expect", [(0.5, 1), (0.1, 0)])

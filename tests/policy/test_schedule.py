@@ -3,8 +3,7 @@ the end of a run."""
 
 import numpy as np
 
-from fnrl.config import CoordinatorConfig
-from fnrl.policy.routing import RoutingConfig
+from fnrl.config import CoordinatorConfig, RoutingConfig
 from fnrl.policy.schedule import SchedulePlan, cycle_config, decide, finished, init_schedule
 from fnrl.types import ClusterSnapshot, Consume, Evaluate, FillPrompts, Pull, Route
 
@@ -77,3 +76,27 @@ def test_nothing_after_the_last_step_is_issued():
     assert decide(snap([3], ps=3), state, p) == (state, ())
     assert finished(state, p, trainer_idle=True)
     assert not finished(state, p, trainer_idle=False)
+
+
+def test_speculative_state_is_reset_only_when_no_pull_can_explain_the_difference():
+    from fnrl.policy.schedule import reconcile
+
+    p = plan()
+    state = init_schedule(p, [0, 0], v_train=0, steps_done=0)
+    observed = snap([0, 1])                       # rollout 1 serves a version P did not plan
+    same, reset = reconcile(state, observed, pulls_in_flight=True)
+    assert same is state and not reset            # a pull may still land: wait
+    fixed, reset = reconcile(state, observed, pulls_in_flight=False)
+    assert reset and fixed.cycle.speculative.version_R.tolist() == [0, 1]
+    again, reset = reconcile(fixed, observed, pulls_in_flight=False)
+    assert again is fixed and not reset
+
+
+def test_a_skipped_step_moves_the_buffers_down_and_training_goes_on():
+    import dataclasses
+
+    p = plan(eta=1, total_steps=10)
+    state = init_schedule(p, [0], v_train=3, steps_done=3)
+    assert state.cycle.staleness.v_train == 3
+    state, _ = decide(dataclasses.replace(snap([3], ps=3, idle=False), skipped_steps=1), state, p)
+    assert state.cycle.staleness.v_train == 2

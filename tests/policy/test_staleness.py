@@ -5,8 +5,8 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from fnrl.data.experience import SAMPLERS
 from fnrl.policy import staleness as st
+from fnrl.policy.samplers import SAMPLERS
 from fnrl.policy.staleness import BufferState, NotAdmissible, StalenessConfig
 
 

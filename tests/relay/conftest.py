@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from fnrl.relay import store
-from fnrl.relay.launch import free_port, launch_relay, stop_relay, wait_relay_ready
+from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
+from fnrl.shell.net import free_port
 from fnrl.relay.role import segment_prefix
 
 
@@ -19,6 +21,14 @@ class RelayProcess:
     address: str
     name: str
     proc: subprocess.Popen
+    log_path: Path
+
+    def wait_for_log(self, text: str, timeout_s: float = 60.0) -> None:
+        """Wait until the relay's log contains `text` (a condition, not a fixed window)."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"{self.name} never logged {text!r}"
+            time.sleep(0.05)
 
     def segments(self) -> list[str]:
         """This relay's segment files in /dev/shm, sorted by version."""
@@ -29,13 +39,14 @@ class RelayProcess:
 def start_relay(log_dir: Path, name: str | None = None) -> RelayProcess:
     name = name or f"t{uuid.uuid4().hex[:10]}"
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = launch_relay(address, name, log_dir / f"relay-{name}.log")
+    log_path = log_dir / f"relay-{name}.log"
+    proc = launch_relay(address, name, log_path)
     try:
         wait_relay_ready(address, proc)
     except BaseException:
         stop_relay(proc, name)
         raise
-    return RelayProcess(address, name, proc)
+    return RelayProcess(address, name, proc, log_path)
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from fnrl.relay.chain import ChainPlan, elect_master, plan_chain, repair
-from fnrl.relay.config import RelayConfig
+from fnrl.relay.chain import ChainPlan, detection_window_s, elect_master, plan_chain, repair
+from fnrl.config import RelayConfig
 
 
 def test_plan_puts_master_first_and_keeps_the_rest_in_order():
@@ -82,3 +82,8 @@ def test_rollouts_pull_from_their_own_relay_and_move_to_survivors_when_it_dies()
     tier.plan = repair(tier.plan, [], {})
     with pytest.raises(RuntimeError, match="every relay"):
         tier.local_address(0)
+
+
+def test_detection_window_is_a_round_to_notice_plus_the_missed_pings():
+    cfg = RelayConfig(heartbeat_s=0.5, heartbeat_timeout_s=2.0, heartbeat_misses=3)
+    assert detection_window_s(cfg) == 0.5 + 3 * (0.5 + 2.0)

@@ -197,7 +197,9 @@ def test_a_publisher_stopped_mid_copy_hands_nothing_over(relay, monkeypatch):
         with pytest.raises(_Interrupted):
             client.publish(2, weights(2), wait="held")
         monkeypatch.undo()
-        time.sleep(0.5)  # the relay takes the slot, finds it unwritten, drops version 2
+        # The relay takes the slot, finds it unwritten and drops version 2: wait for that
+        # (however slow the relay), so the checks below see its outcome.
+        relay.wait_for_log("version 2 abandoned: its publisher stopped before it had written it")
         assert client.latest().version == 1
         assert_bit_exact(store.open_version(client.latest()), weights(1))
         client.publish(3, weights(3), wait="visible")

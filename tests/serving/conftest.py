@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fnrl.relay.launch import free_port, launch_relay, stop_relay, wait_relay_ready
+from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
+from fnrl.shell.net import free_port
 from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
 
 SPECIAL_TOKENS = ("<pad>", "<eos>")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -17,7 +19,9 @@ from safetensors.numpy import load_file
 
 from fnrl.relay.client import RelayClient
 from fnrl.serving.client import RolloutClient, ServerError
-from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
+from fnrl.serving.server import (ServerSpec, kv_bytes_per_token, kv_reservation_bytes,
+                                 launch_server, stop_server, wait_ready)
+from fnrl.shell.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +29,7 @@ VOCAB = 64
 # Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache keeps a block.
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(2, VOCAB, size=140)]
 _versions = itertools.count(1)  # the module's relay only accepts increasing versions
+SERVER_MAX_NUM_SEQS, SERVER_MAX_MODEL_LEN = 64, 256  # conftest's server_url
 
 
 def run(server_url: str, fn):
@@ -161,15 +166,56 @@ def test_pull_from_dead_relay_fails_and_server_keeps_serving(server_url):
     assert before == after and len(completions) == 2
 
 
-def test_metrics(server_url):
-    metrics = run(server_url, lambda c: c.metrics())
-    assert set(metrics) == {
-        "vllm:kv_cache_usage_perc",
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-    }
-    assert 0.0 <= metrics["vllm:kv_cache_usage_perc"] <= 1.0
-    assert metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
+def test_metrics_under_load_and_at_idle(server_url):
+    """More long requests than max_num_seqs: some run, the rest wait, and the gauges say
+    so (a parser answering zeros fails); once they finish, all is idle again."""
+    n_requests, n_tokens = SERVER_MAX_NUM_SEQS + 32, 192
+
+    async def drain(client, seed):
+        stream = client.generate_stream(PROMPT[:8], max_tokens=n_tokens, temperature=1.0,
+                                        seed=seed, ignore_eos=True)
+        return sum([len(chunk.token_ids) async for chunk in stream])
+
+    async def load_and_watch(client):
+        tasks = [asyncio.create_task(drain(client, i)) for i in range(n_requests)]
+        seen, deadline = [], time.monotonic() + 300
+        while not all(t.done() for t in tasks) and time.monotonic() < deadline:
+            seen.append(await client.metrics())
+            await asyncio.sleep(0.05)
+        lengths = await asyncio.gather(*tasks)
+        while time.monotonic() < deadline:  # gauges are refreshed once per engine step
+            idle = await client.metrics()
+            if idle["vllm:num_requests_running"] == idle["vllm:num_requests_waiting"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        return seen, lengths, idle
+
+    seen, lengths, idle = run(server_url, load_and_watch)
+    assert lengths == [n_tokens] * n_requests
+    running = [m["vllm:num_requests_running"] for m in seen]
+    waiting = [m["vllm:num_requests_waiting"] for m in seen]
+    assert max(running) == SERVER_MAX_NUM_SEQS, running  # the server's cap, reached
+    assert any(r > 0 and w > 0 for r, w in zip(running, waiting)), (running, waiting)
+    assert all(r + w <= n_requests for r, w in zip(running, waiting))
+    # A running sequence holds at least one of the cache's 141 usable blocks (142, less
+    # vLLM's null block), so the full batch shows at least 64/141 in use.
+    usage = [m["vllm:kv_cache_usage_perc"] for m in seen]
+    assert SERVER_MAX_NUM_SEQS / 141 - 1e-6 <= max(usage) <= 1.0, usage
+    assert set(idle) == {"vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                         "vllm:num_requests_waiting"}
+    assert idle["vllm:num_requests_running"] == idle["vllm:num_requests_waiting"] == 0
+
+
+def test_kv_cache_is_the_sized_reservation(server_url, tiny_model_dir):
+    """vLLM's cache holds exactly the blocks `kv_reservation_bytes` paid for: the
+    per-token figure from config.json matches vLLM's page size."""
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    per_token = kv_bytes_per_token(config, "float32")
+    reserved = kv_reservation_bytes(bytes_per_token=per_token, max_num_seqs=SERVER_MAX_NUM_SEQS,
+                                    max_model_len=SERVER_MAX_MODEL_LEN)
+    capacity = run(server_url, lambda c: c.kv_capacity_tokens())
+    assert capacity == reserved // per_token == 142 * 128
+    assert capacity >= SERVER_MAX_NUM_SEQS * SERVER_MAX_MODEL_LEN  # a full batch fits
 
 
 def test_unreachable_server_raises_naming_it():
@@ -178,14 +224,18 @@ def test_unreachable_server_raises_naming_it():
         run(url, lambda c: c.version())
 
 
-def test_wait_ready_reports_a_server_that_dies(tmp_path):
+def test_wait_ready_reports_a_server_that_dies(tmp_path, tiny_model_dir):
+    # The KV cache can be sized from this config, but vLLM knows no such architecture.
+    config = json.loads((Path(tiny_model_dir) / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     spec = ServerSpec(
-        model_dir=str(tmp_path / "no-such-model"), port=free_port(), max_model_len=64,
-        max_num_seqs=1,
+        model_dir=str(tmp_path / "model"), port=free_port(), max_model_len=64, max_num_seqs=1,
     )  # fmt: skip
     proc = launch_server(spec, tmp_path / "vllm.log")
     try:
-        with pytest.raises(RuntimeError, match="(?s)exited with code 1.*no-such-model"):
+        with pytest.raises(RuntimeError, match="(?s)exited with code 1.*NoSuchModelForCausalLM"):
             wait_ready(spec.base_url, proc, timeout_s=120)
     finally:
         stop_server(proc)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fnrl.control.roles import Cluster
-from fnrl.control.wire import RoleClient
+from fnrl.shell.wire import RoleClient
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import open_version
 

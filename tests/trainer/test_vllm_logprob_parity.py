@@ -14,7 +14,8 @@ import pytest
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.hf_io import load_pretrained, save_pretrained
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.shell.net import free_port
 from fnrl.types import Segment, Trajectory
 from fnrl.trainer.batching import build_batch
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer, token_logprobs

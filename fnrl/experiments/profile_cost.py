@@ -1,29 +1,15 @@
 """Fit StaleFlow's decode cost model on the local vLLM engine (seed 001 §5.3, App. B).
 
-    python -m fnrl.policy.profile_cost                       # embedded model
-    python -m fnrl.policy.profile_cost --model-dir DIR --out FILE.json
+    python -m fnrl.experiments.profile_cost                       # embedded model
+    python -m fnrl.experiments.profile_cost --model-dir DIR --out FILE.json
 
 starts a vLLM server (fnrl.serving.server, as the main job does), streams batches of
 random prompts over a grid of batch sizes and context lengths, fits
 L = k1·kv + max(k2, k3·n) + k4 (Eq. 11) by least squares ("offline profiling and linear
-regression", §5.3), checks the fit on held-out batches measured in the same session, and
-writes JSON (default: `cost_model.json` in the model directory). The job loads it with
-`--coord.cost-file PATH` (or `auto`: the model directory's file) into CoordinatorConfig.cost.
-
-How a run becomes an equation: single decode steps cannot be timed over HTTP, so each
-run (B streamed requests of prompt length P, released together, each forced by
-`ignore_eos` to its own length) gives one equation for its wall time
-
-    wall ≈ c0 + c_req·B + c_pre·B·P + Σ_t [k1·kv_t + k3·max(c, n_t) + k4]
-
-where step t has n_t = #{i : len_i > t} running requests holding kv_t = Σ (P + t) tokens,
-c = k2/k3 is the roofline point, c0 the per-batch and c_req the per-request HTTP and
-scheduling overhead, c_pre the prefill cost per prompt token. Lengths differ within a
-run so n_t falls during it, which separates the per-sequence term k3 from the per-step
-term k4. For fixed c the model is linear; we scan c and keep the best fit. Rows are
-weighted by 1/wall so short and long runs count alike (the error that matters to
-routing is relative). Prefill and overheads are fitted but not part of the cost model,
-which models decode only (App. B: decode is 89.9% of rollout time).
+regression", §5.3; the pure fit is fnrl.policy.cost_model), checks the fit on held-out
+batches measured in the same session, and writes JSON (default: `cost_model.json` in the
+model directory). The job loads it with `--coord.cost-file PATH` (or `auto`: the model
+directory's file) into CoordinatorConfig.cost.
 """
 
 from __future__ import annotations
@@ -36,106 +22,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
-from fnrl.policy.routing import CostModel
+from fnrl.config import CostModel, ModelConfig, TaskConfig, WarmStartConfig
+from fnrl.experiments.warm_start import ensure_default_model
+from fnrl.policy.cost_model import Measurement, fit_cost_model, fit_quality
+from fnrl.serving.client import RolloutClient
+from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.shell.files import write_atomic
+from fnrl.shell.net import free_port
 
 COST_FILE_NAME = "cost_model.json"
-FEATURES = ("kv_tokens", "steps", "seq_steps", "batch", "requests", "prefill_tokens")
-"""Columns of `step_features`; `seq_steps` is Σ max(c, n_t)."""
-
-
-@dataclass(frozen=True)
-class Measurement:
-    prompt_len: int
-    lengths: tuple[int, ...]     # generated tokens per request
-    wall_s: float
-
-
-def step_features(m: Measurement, crossover: float) -> np.ndarray:
-    """[Σ kv_t, steps, Σ max(c, n_t), 1, B, B·P] for one run (order: FEATURES)."""
-    lengths = np.asarray(m.lengths)
-    t = np.arange(int(lengths.max()) if lengths.size else 0)
-    running = lengths[None, :] > t[:, None]                  # T × B
-    n_t = running.sum(1)
-    kv_t = (running * (m.prompt_len + t[:, None])).sum(1)
-    return np.array([kv_t.sum(), len(t), np.maximum(crossover, n_t).sum(), 1.0,
-                     len(lengths), len(lengths) * m.prompt_len], dtype=np.float64)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunCostFit:
-    """The decode cost model plus the per-run terms fitted beside it."""
-
-    cost: CostModel
-    overhead_s: float               # c0, per batch
-    per_request_s: float            # c_req
-    prefill_s_per_token: float      # c_pre
-
-    @property
-    def crossover(self) -> float:
-        return self.cost.k2 / self.cost.k3 if self.cost.k3 > 0 else float("inf")
-
-    def coefficients(self) -> np.ndarray:
-        """Weights of `step_features(m, self.crossover)`."""
-        return np.array([self.cost.k1, self.cost.k4, self.cost.k3, self.overhead_s,
-                         self.per_request_s, self.prefill_s_per_token])
-
-    def predict_wall(self, m: Measurement) -> float:
-        c = self.crossover if np.isfinite(self.crossover) else 1.0
-        return float(step_features(m, c) @ self.coefficients())
-
-
-def fit_quality(fit: RunCostFit, runs: list[Measurement]) -> dict:
-    """R² and relative errors of predicted against measured wall times."""
-    y = np.array([m.wall_s for m in runs])
-    pred = np.array([fit.predict_wall(m) for m in runs])
-    rel = np.abs(pred - y) / y
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float(((pred - y) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
-    return {"runs": len(runs), "r2": r2, "mean_relative_error": float(rel.mean()),
-            "median_relative_error": float(np.median(rel)),
-            "max_relative_error": float(rel.max())}
-
-
-def fit_cost_model(runs: list[Measurement], *, max_batch: int | None = None) -> RunCostFit:
-    """Weighted least squares over (k1, k4, k3, c0, c_req, c_pre), scanning c = k2/k3."""
-    if len(runs) < 2 * len(FEATURES):
-        raise ValueError(f"need at least {2 * len(FEATURES)} runs to fit {len(FEATURES)} "
-                         f"unknowns robustly, got {len(runs)}")
-    y = np.array([m.wall_s for m in runs])
-    if (y <= 0).any():
-        raise ValueError("every run's wall_s must be > 0")
-    w = 1.0 / y
-    top = max_batch or max(len(m.lengths) for m in runs)
-    best = None
-    for c in np.unique(np.concatenate([np.linspace(1, top, 64), np.arange(1, top + 1)])):
-        x = np.stack([step_features(m, c) for m in runs])
-        coef = _nonnegative_lstsq(x * w[:, None], y * w)
-        err = float((np.abs(x @ coef - y) * w).mean())
-        if best is None or err < best[2]:
-            best = (c, coef, err)
-    c, (k1, k4, k3, c0, c_req, c_pre), _ = best
-    # k3 = 0 means no per-sequence cost was seen; the model still needs k2+k3+k4 > 0.
-    cost = CostModel(k1=float(k1), k2=float(k3 * c), k3=float(k3), k4=float(k4), k5=1.0)
-    return RunCostFit(cost=cost, overhead_s=float(c0), per_request_s=float(c_req),
-                      prefill_s_per_token=float(c_pre))
-
-
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient ≥ 0 (latencies cannot be negative): refit
-    without the columns that came out negative until none does (an active-set loop;
-    exact here, where at most a few columns are ever dropped)."""
-    active = np.ones(a.shape[1], bool)
-    coef = np.zeros(a.shape[1])
-    while active.any():
-        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            return coef
-        idx = np.flatnonzero(active)
-        active[idx[np.argmin(sol)]] = False
-    return coef
 
 
 def load_cost_model(path: str | Path) -> CostModel:
@@ -166,7 +64,8 @@ class ProfileArgs:
     repeats: int = 5
     """Runs per batch; each batch's median wall time is fitted."""
     max_num_seqs: int = 64
-    kv_memory_fraction: float = 0.05
+    kv_memory_fraction: float = 0.0
+    """0: the server's KV sized from max_num_seqs x context (fnrl.serving.server)."""
     startup_timeout_s: float = 300.0
     seed: int = 0
 
@@ -182,9 +81,9 @@ class ProfileArgs:
         for name in ("max_context", "repeats"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ProfileArgs.{name}={getattr(self, name)!r}: must be > 0")
-        if not 0 < self.kv_memory_fraction < 1:
+        if not 0 <= self.kv_memory_fraction < 1:
             raise ValueError(f"ProfileArgs.kv_memory_fraction={self.kv_memory_fraction!r}: "
-                             "must be in (0, 1)")
+                             "must be in [0, 1) (0: sized from the run's need)")
 
 
 @dataclass(frozen=True)
@@ -236,10 +135,6 @@ async def measure(base_url: str, specs: list[RunSpec], order: list[int], *, voca
                   seed: int = 0) -> list[float]:
     """Runs specs[i] for i in `order` against the server, streamed as the main job
     streams, and returns each run's wall time."""
-    import aiohttp
-
-    from fnrl.serving.client import RolloutClient
-
     rng = np.random.default_rng(seed)
 
     async def one(client, spec: RunSpec) -> float:
@@ -276,8 +171,6 @@ def model_context(model_dir: Path, cap: int) -> tuple[int, int]:
 
 def profile(args: ProfileArgs, model_dir: Path) -> dict:
     """Start a server on `model_dir`, measure, fit, evaluate held-out; the JSON record."""
-    from fnrl.serving.server import ServerSpec, free_port, launch_server, stop_server, wait_ready
-
     context, vocab = model_context(model_dir, args.max_context)
     specs = plan_runs(args, context)
     order = run_order(len(specs), args.repeats, args.seed)
@@ -334,7 +227,7 @@ def resolve_cost_file(cost_file: str, model_dir: Path) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(
             f"coord.cost_file={cost_file!r}: {str(path)!r} does not exist; write it with "
-            f"python -m fnrl.policy.profile_cost --model-dir {model_dir} --out {path}")
+            f"python -m fnrl.experiments.profile_cost --model-dir {model_dir} --out {path}")
     return path
 
 
@@ -355,16 +248,11 @@ def main(args: ProfileArgs) -> dict:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"model_dir={args.model_dir!r} has no config.json")
     else:
-        from fnrl.config import ModelConfig, TaskConfig, WarmStartConfig
-        from fnrl.experiments.warm_start import ensure_default_model
-
         model_dir = ensure_default_model(ModelConfig(), TaskConfig(), WarmStartConfig())
     out = Path(args.out).expanduser() if args.out else model_dir / COST_FILE_NAME
     record = profile(args, model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(out)  # a reader never sees half a file
+    write_atomic(out, json.dumps(record, indent=1))  # a reader never sees half a file
     print(f"{summary_line(record)}\n-> {out}")
     return record
 

@@ -1,16 +1,34 @@
-"""The cost-model fit recovers known coefficients from synthetic runs; the run plan and
-the cost-file plumbing (tests/policy/test_profile_cost_vllm.py runs it on vLLM)."""
-
-import json
+"""The decode cost model: Eq. 11 and the gains by hand, and a fit that recovers known
+coefficients from synthetic runs (tests/experiments/test_profile_cost_vllm.py fits it
+on vLLM)."""
 
 import numpy as np
 import pytest
 
-from fnrl.policy.profile_cost import (COST_FILE_NAME, Measurement, ProfileArgs, RunCostFit,
-                                      _nonnegative_lstsq, fit_cost_model, fit_quality,
-                                      load_cost_model, median_runs, plan_runs,
-                                      resolve_cost_file, run_order, step_features)
-from fnrl.policy.routing import CostModel
+from fnrl.config import CostModel
+from fnrl.policy.cost_model import (Measurement, RunCostFit, _nonnegative_lstsq, fit_cost_model,
+                                    fit_quality, ideal_gain, marginal_gain, roofline_batch,
+                                    step_features, step_latency, throughput)
+
+
+def test_cost_model_table4_numbers():
+    """Eq. 11 / Eq. 2 with Table 4's coefficients, by hand."""
+    c = CostModel()
+    # 64 running, 64k KV tokens: k3·64 = 8.0e-3 > k2, so compute-bound.
+    lat = 7.28e-8 * 65536 + 1.25e-4 * 64 + 1.07e-2
+    assert step_latency(c, 65536, 64) == pytest.approx(lat)
+    assert throughput(c, 65536, 64) == pytest.approx(64 / lat)
+    assert ideal_gain(c, 1000) == pytest.approx(1 / (7.28e-8 * 1000 + 1.72e-3 + 1.07e-2))
+    assert roofline_batch(c) == 13          # k2/k3 = 13.76 (digest: "≈ 13.8")
+
+
+def test_marginal_gain_is_zero_when_it_would_wait():
+    c = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    kv, n = np.array([0.0, 95.0, 0.0]), np.array([0.0, 1.0, 1.0])
+    n_wait, cap = np.array([0.0, 0.0, 2.0]), np.full(3, 100.0)
+    gain = marginal_gain(c, kv, n, n_wait, cap, throughput(c, kv, n), 10)
+    np.testing.assert_allclose(gain, [1.0, 0.0, 0.0])  # KV full; a queue already waits
+
 
 TRUTH = RunCostFit(cost=CostModel(k1=2e-6, k2=8e-3, k3=1e-3, k4=4e-3),   # roofline n = 8
                    overhead_s=0.02, per_request_s=1e-3, prefill_s_per_token=1e-5)
@@ -26,7 +44,7 @@ def synthetic_runs(fit: RunCostFit, batches, prompts, rng, noise=0.0) -> list[Me
             wall = fit.overhead_s + batch * (fit.per_request_s + fit.prefill_s_per_token * prompt)
             for t in range(int(lengths.max())):
                 n = int((lengths > t).sum())
-                wall += float(fit.cost.step_latency(n * (prompt + t), n))
+                wall += float(step_latency(fit.cost, n * (prompt + t), n))
             runs.append(Measurement(prompt, tuple(lengths.tolist()),
                                     wall * float(np.exp(noise * rng.standard_normal()))))
     return runs
@@ -68,39 +86,6 @@ def test_nonnegative_lstsq_drops_negative_columns():
     np.testing.assert_allclose(_nonnegative_lstsq(a, b), [0.5, 0.0], atol=1e-12)
 
 
-def test_plan_and_medians():
-    args = ProfileArgs(model_dir="m", batch_sizes=(1, 4), heldout_batch_sizes=(2,),
-                       context_fractions=(0.5, 1.0), repeats=3)
-    specs = plan_runs(args, context=32)
-    assert [s.heldout for s in specs] == [False] * 4 + [True] * 2
-    for s in specs:
-        assert s.prompt_len + max(s.lengths) <= 32 and min(s.lengths) >= 1
-    assert {s.prompt_len + max(s.lengths) for s in specs} == {16, 32}
-    assert {s.prompt_len for s in specs} == {2, 4, 8, 16}   # prompts 1/8 or 1/2 in turn
-    order = run_order(len(specs), args.repeats, args.seed)
-    assert sorted(order) == sorted(list(range(len(specs))) * 3)
-    walls = [float(i) + (9.0 if k == 0 else 0.0) for k, i in enumerate(order)]  # one outlier
-    runs = median_runs(specs, order, walls)
-    assert [m.wall_s for m in runs] == [float(i) for i in range(len(specs))]
-
-
-def test_load_resolve_and_args(tmp_path):
-    path = tmp_path / "cost.json"
-    path.write_text(json.dumps({"k1": 1e-7, "k2": 1e-3, "k3": 1e-4, "k4": 1e-2, "k5": 1.0,
-                                "crossover": 10.0}))
-    assert load_cost_model(path) == CostModel(k1=1e-7, k2=1e-3, k3=1e-4, k4=1e-2, k5=1.0)
-    path.write_text(json.dumps({"k1": 1e-7}))
-    with pytest.raises(ValueError, match="lacks coefficient 'k2'"):
-        load_cost_model(path)
-    assert resolve_cost_file("", tmp_path) is None
-    assert resolve_cost_file(str(path), tmp_path) == path
-    with pytest.raises(FileNotFoundError, match="profile_cost"):
-        resolve_cost_file("auto", tmp_path)
-    (tmp_path / COST_FILE_NAME).write_text("{}")
-    assert resolve_cost_file("auto", tmp_path) == tmp_path / COST_FILE_NAME
-    with pytest.raises(ValueError, match="batch_sizes"):
-        ProfileArgs(batch_sizes=(0,))
-    with pytest.raises(ValueError, match="context_fractions"):
-        ProfileArgs(context_fractions=(1.5,))
+def test_fit_needs_enough_runs():
     with pytest.raises(ValueError, match="at least 12"):
         fit_cost_model([Measurement(1, (1,), 0.1)])

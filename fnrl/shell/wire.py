@@ -14,6 +14,8 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 
+from fnrl.shell.files import log_tail
+
 
 class RoleError(RuntimeError):
     """A role process died or answered with an error; the message names the role."""
@@ -49,16 +51,6 @@ def recv(sock: zmq.Socket, *, timeout_s: float, role: str,
         if proc is not None and proc.poll() is not None:
             raise RoleError(f"{role} exited with code {proc.returncode}{log_tail(log_path)}")
     raise RoleError(f"{role} did not answer within {timeout_s:.0f}s")
-
-
-def log_tail(path: str | None, lines: int = 30) -> str:
-    if not path:
-        return ""
-    try:
-        text = open(path, errors="replace").read().splitlines()[-lines:]
-    except OSError:
-        return ""
-    return f"; last lines of {path}:\n" + "\n".join(text)
 
 
 class RoleClient:

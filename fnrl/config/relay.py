@@ -1,8 +1,10 @@
-"""Configuration of the relay tier (one frozen dataclass, validated on construction)."""
+"""Configuration of the relay tier (fnrl.relay)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from fnrl.config.base import check, positive
 
 MIB = 2**20
 
@@ -37,13 +39,8 @@ class RelayConfig:
     wait has a timeout instead, which is how a dead peer is noticed."""
 
     def __post_init__(self):
-        positive = {"num_relays": self.num_relays, "chunk_bytes": self.chunk_bytes,
-                    "keep_versions": self.keep_versions, "inbox_slots": self.inbox_slots,
-                    "chunk_timeout_s": self.chunk_timeout_s, "heartbeat_s": self.heartbeat_s,
-                    "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                    "heartbeat_misses": self.heartbeat_misses}
-        for field, value in positive.items():
-            if not value > 0:
-                raise ValueError(f"RelayConfig.{field}={value!r}: must be positive")
-        if self.chunk_bytes % 64:
-            raise ValueError(f"RelayConfig.chunk_bytes={self.chunk_bytes}: use a multiple of 64")
+        positive(self, "num_relays", "chunk_bytes", "keep_versions", "inbox_slots",
+                 "chunk_timeout_s", "heartbeat_s", "heartbeat_timeout_s", "heartbeat_misses")
+        # Chunks are checksummed and copied as aligned blocks.
+        check(self.chunk_bytes % 64 == 0, "RelayConfig", "chunk_bytes", self.chunk_bytes,
+              "use a multiple of 64")

@@ -8,10 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from fnrl.config import CoordinatorConfig, RunConfig
-from fnrl.policy.profile_cost import (Measurement, ProfileArgs, RunCostFit, fit_quality,
-                                      load_cost_model, main)
-from fnrl.policy.routing import CostModel
+from fnrl.config import CoordinatorConfig, CostModel, RunConfig
+from fnrl.experiments.profile_cost import ProfileArgs, load_cost_model, main
+from fnrl.policy.cost_model import Measurement, RunCostFit, fit_quality, step_latency
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,7 @@ def test_short_profile_predicts_heldout_batches(tiny_model_dir, tmp_path):
     # The fit sees the batch: a model blind to it (one stream's step latency, no
     # per-request cost) predicts the same held-out batches far worse.
     blind = RunCostFit(cost=CostModel(k1=0.0, k2=0.0, k3=0.0,
-                                      k4=float(cost.step_latency(16, 1))),
+                                      k4=float(step_latency(cost, 16, 1))),
                        overhead_s=fit.overhead_s, per_request_s=0.0, prefill_s_per_token=0.0)
     assert quality["mean_relative_error"] < 0.5 * fit_quality(blind, held)["mean_relative_error"]
 

@@ -1,0 +1,136 @@
+"""Configuration of the RL algorithm: loss terms, advantages, corrections, AdamW."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fnrl.config.base import check, finite, positive
+
+# The registered names of fnrl.losses (config may not import the registries, which
+# pull in JAX; tests/test_config.py keeps each tuple equal to its registry's keys).
+LOSS_TERM_NAMES = ("ppo_clip", "grpo", "aipo", "decoupled_ppo", "gspo", "kl", "entropy")
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+AGGREGATION_NAMES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+CORRECTION_NAMES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+
+# Names registered at run time on top of the built-in ones (a user's own loss term or
+# advantage estimator: fnrl.losses.register calls `accept_name`).
+_REGISTERED: dict[str, set[str]] = {"loss_terms": set(), "advantage": set()}
+
+
+def accept_name(field: str, name: str) -> None:
+    """Lets `AlgoConfig.<field>` ("loss_terms" or "advantage") name `name`."""
+    _REGISTERED[field].add(name)
+
+
+def known_names(field: str) -> tuple[str, ...]:
+    """The names `AlgoConfig.<field>` accepts: built-in, then registered at run time."""
+    builtin = {"loss_terms": LOSS_TERM_NAMES, "advantage": ADVANTAGE_NAMES}[field]
+    return builtin + tuple(sorted(_REGISTERED[field] - set(builtin)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """The RL algorithm: loss terms by registered name, advantages, corrections, AdamW.
+
+    The default is GRPO with clip-higher (DAPO) and token-mean aggregation. Every
+    keyword-only hyperparameter of a loss term is read from the field of the same
+    name (fnrl.losses.objective.bind_term).
+    """
+
+    group_size: int = 8
+    groups_per_step: int = 16
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    # Loss: (registered term name, weight) pairs (fnrl.losses.LOSS_TERMS); on the
+    # command line `--algo.loss-terms aipo 1.0 gspo 0.5`.
+    loss_terms: tuple[tuple[str, float], ...] = (("ppo_clip", 1.0),)
+    aggregation: str = "token_mean"
+    aggregation_norm_len: int = 0       # Dr.GRPO's constant; 0 -> max_new_tokens
+    advantage: str = "grpo"
+    adv_eps: float = 1e-6
+    # PPO / decoupled PPO / dual clip.
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float = 0.0            # 0 = off; else > 1
+    behaviour_cap: float = 0.0          # decoupled PPO: drop tokens with π_prox/μ > cap; 0 = off
+    # AIPO: one-sided truncation of π/μ at ρ (LlamaRL recommends 2..10).
+    aipo_rho: float = 4.0
+    # GSPO's sequence-ratio clip range.
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    # Train/inference mismatch correction (fnrl.losses.correction).
+    correction: str = "none"
+    tis_cap: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    # KL to the frozen initial model; 0 -> no reference forward pass.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in: str = "loss"                 # "loss" (a term) or "reward" (shapes advantages)
+    entropy_coef: float = 0.0
+    # DAPO: drop zero-variance groups; soft overlong punishment over the last tokens.
+    dynamic_sampling: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self):
+        name = "AlgoConfig"
+        positive(self, "group_size", "groups_per_step", "max_new_tokens", "learning_rate",
+                 "max_grad_norm", "aipo_rho", "gspo_clip_low", "gspo_clip_high", "tis_cap")
+        check(self.group_size >= 2, name, "group_size", self.group_size,
+              "GRPO needs at least 2 samples per group")
+        check(0 < self.clip_low < 1, name, "clip_low", self.clip_low, "must be in (0, 1)")
+        check(self.clip_high > 0, name, "clip_high", self.clip_high, "must be > 0")
+        check(self.temperature > 0, name, "temperature", self.temperature, "must be > 0")
+        # JSON gives lists back; keep one hashable canonical form.
+        object.__setattr__(self, "loss_terms", tuple((str(t), float(w)) for t, w in self.loss_terms))
+        check(len(self.loss_terms) > 0, name, "loss_terms", self.loss_terms,
+              "must name at least one registered term with a weight")
+        check(len({t for t, _ in self.loss_terms}) == len(self.loss_terms), name, "loss_terms",
+              self.loss_terms, "a term is named twice")
+        terms = known_names("loss_terms")
+        for term, weight in self.loss_terms:
+            check(term in terms, name, "loss_terms", term,
+                  f"not a registered loss term; known: {terms}")
+            check(term not in ("kl", "entropy"), name, "loss_terms", term,
+                  "set kl_coef / entropy_coef instead")
+            check(finite(weight), name, f"loss_terms[{term!r}]", weight, "must be finite")
+        check(self.aggregation in AGGREGATION_NAMES, name, "aggregation", self.aggregation,
+              f"must be one of {AGGREGATION_NAMES}")
+        check(self.aggregation_norm_len >= 0, name, "aggregation_norm_len",
+              self.aggregation_norm_len, "must be >= 0")
+        check(self.advantage in known_names("advantage"), name, "advantage", self.advantage,
+              f"must be one of {known_names('advantage')}")
+        check(self.dual_clip_c == 0 or self.dual_clip_c > 1, name, "dual_clip_c",
+              self.dual_clip_c, "must be 0 (off) or > 1")
+        check(self.behaviour_cap == 0 or self.behaviour_cap > 1, name, "behaviour_cap",
+              self.behaviour_cap, "must be 0 (off) or > 1")
+        check(self.correction in CORRECTION_NAMES, name, "correction", self.correction,
+              f"must be one of {CORRECTION_NAMES}")
+        check(self.tis_cap >= 1, name, "tis_cap", self.tis_cap, "must be >= 1")
+        check(0 <= self.mask_low < 1 < self.mask_high, name, "mask_low..mask_high",
+              (self.mask_low, self.mask_high), "need 0 <= mask_low < 1 < mask_high")
+        check(finite(self.kl_coef) and self.kl_coef >= 0, name, "kl_coef", self.kl_coef,
+              "must be >= 0")
+        check(self.kl_estimator in KL_ESTIMATOR_NAMES, name, "kl_estimator", self.kl_estimator,
+              f"must be one of {KL_ESTIMATOR_NAMES}")
+        check(self.kl_in in ("loss", "reward"), name, "kl_in", self.kl_in,
+              "must be 'loss' or 'reward'")
+        check(finite(self.entropy_coef) and self.entropy_coef >= 0, name, "entropy_coef",
+              self.entropy_coef, "must be >= 0")
+        check(self.overlong_buffer >= 0, name, "overlong_buffer", self.overlong_buffer,
+              "must be >= 0")
+        check(self.overlong_buffer < self.max_new_tokens or self.overlong_buffer == 0, name,
+              "overlong_buffer", self.overlong_buffer, "must be < max_new_tokens")
+        check(self.overlong_penalty >= 0, name, "overlong_penalty", self.overlong_penalty,
+              "must be >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the trainer must hold the frozen initial model."""
+        return self.kl_coef > 0

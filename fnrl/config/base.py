@@ -1,0 +1,54 @@
+"""The one validation helper of every config dataclass, and config <-> JSON.
+
+Every invalid value raises a ValueError that names the class, the field and the value,
+so a bad command line fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def check(cond: bool, owner: str, name: str, value: Any, why: str) -> None:
+    """Raises `ValueError("invalid config Owner.name=value: why")` unless `cond`."""
+    if not cond:
+        raise ValueError(f"invalid config {owner}.{name}={value!r}: {why}")
+
+
+def positive(obj: Any, *names: str) -> None:
+    """`check` that each named field of `obj` is > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        check(value > 0, type(obj).__name__, name, value, "must be > 0")
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(cls: type, data: dict) -> Any:
+    """Builds a config from a nested dict, naming any key the class does not have."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = names[key].default_factory if names[key].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
+            kwargs[key] = from_dict(sub, value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def save_json(cfg: Any, path: Path) -> None:
+    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))

@@ -1,0 +1,90 @@
+"""Configuration of fault detection and injection (fnrl.policy.faults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fnrl.config.base import check, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """How failures are detected and answered (`--faults.*`)."""
+
+    policy: Literal["role", "job"] = "role"
+    """"role": restart only the failed role (RobustRL); "job": restart every role from
+    the checkpoint on any failure (the whole-job baseline)."""
+    trainer_hang_s: float = 300.0
+    """No progress for this long while a training step runs: the trainer has failed."""
+    rollout_stall_s: float = 60.0
+    """Zero throughput for this long while work is placed on a rollout: suspect."""
+    heartbeat_timeout_s: float = 10.0
+    """A suspect rollout whose heartbeat has not answered for this long has failed."""
+    max_restart_failures: int = 1
+    """Failed restarts of one role that are retried before the job restarts (paper: 1)."""
+    max_job_restarts: int = 3
+    """Whole-job restarts before the run gives up with the last failure's error."""
+    trainer_standby: bool = False
+    """Keep a warm spare trainer (built, compiled, waiting) that takes over a failed
+    trainer by restoring the newest checkpoint: RobustRL's warm standby (§3.2, a borrowed
+    rollout machine), at the cost of a second trainer's memory."""
+    inject: tuple[str, ...] = ()
+    """Fault injection, each `ROLE:every=N[:at=K][:phase=train|generate][:signal=kill|stop]`:
+    SIGKILL (or SIGSTOP: a hang, which only detection windows find) the role (trainer,
+    rollout<i>, relay<i>, controller) at step K, K+N, ... (K defaults to N) during the
+    given phase (default: train for the trainer, generate otherwise)."""
+    seed: int = 0
+    """Seed of the delay into the phase at which an injected kill lands."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "inject", tuple(self.inject))   # a JSON list reads back
+        positive(self, "trainer_hang_s", "rollout_stall_s", "heartbeat_timeout_s")
+        check(self.policy in ("role", "job"), "FaultConfig", "policy", self.policy,
+              "must be 'role' or 'job'")
+        for name in ("max_restart_failures", "max_job_restarts"):
+            check(getattr(self, name) >= 0, "FaultConfig", name, getattr(self, name),
+                  "must be >= 0")
+        for spec in self.inject:
+            parse_injection(spec)
+
+
+@dataclass(frozen=True)
+class Injection:
+    role: str
+    every: int
+    at: int
+    phase: Literal["train", "generate"]
+    signal: Literal["kill", "stop"] = "kill"
+
+
+def parse_injection(spec: str) -> Injection:
+    """`trainer:every=10` → Injection("trainer", 10, 10, "train"); errors name the spec."""
+    role, *opts = spec.split(":")
+    fields: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in ("every", "at", "phase", "signal"):
+            raise ValueError(f"fault injection {spec!r}: expected "
+                             "ROLE:every=N[:at=K][:phase=P][:signal=S], "
+                             f"got option {opt!r}")
+        fields[key] = value
+    if not (role in ("trainer", "controller") or role.removeprefix("rollout").isdigit()
+            or role.removeprefix("relay").isdigit()):
+        raise ValueError(f"fault injection {spec!r}: role must be trainer, controller, "
+                         "rollout<i> or relay<i>")
+    try:
+        every = int(fields.get("every", "0"))
+        at = int(fields.get("at", str(every)))
+    except ValueError:
+        raise ValueError(f"fault injection {spec!r}: every and at must be integers") from None
+    if every < 0 or at < 1 or (every == 0 and "at" not in fields):
+        raise ValueError(f"fault injection {spec!r}: needs every=N > 0 or at=K >= 1")
+    phase = fields.get("phase", "train" if role == "trainer" else "generate")
+    if phase not in ("train", "generate"):
+        raise ValueError(f"fault injection {spec!r}: phase must be train or generate")
+    sig = fields.get("signal", "kill")
+    if sig not in ("kill", "stop") or (sig == "stop" and role == "controller"):
+        raise ValueError(f"fault injection {spec!r}: signal must be kill or stop "
+                         "(stop: not for the controller)")
+    return Injection(role, every, at, phase, sig)  # type: ignore[arg-type]

@@ -1,0 +1,213 @@
+"""The config tree's root (`RunConfig`) and the model, task, trainer and rollout parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fnrl.config.algo import AlgoConfig
+from fnrl.config.base import check, positive
+from fnrl.config.coord import CoordinatorConfig
+from fnrl.config.faults import FaultConfig
+from fnrl.config.relay import RelayConfig
+
+# Head sizes vLLM's CPU attention backend accepts (vllm 0.32 cpu_attn.py); GPU backends
+# accept these too.
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The prompts: the synthetic arithmetic task (fnrl.data.arith), or JSONL files
+    (fnrl.data.dataset) when `dataset` names one."""
+
+    seed: int = 1234
+    num_eval: int = 256
+    min_level: int = 1
+    max_level: int = 4
+    dataset: str = ""
+    """JSONL of training rows; empty: the synthetic task."""
+    eval_dataset: str = ""
+    """JSONL of eval rows; empty: num_eval rows of `dataset` are held out instead."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    on_bad_row: Literal["skip", "error"] = "skip"
+    """skip: a malformed row is skipped and recorded in bad_rows.jsonl; error: stop."""
+
+    def __post_init__(self):
+        positive(self, "num_eval")
+        check(1 <= self.min_level <= self.max_level <= 5, "TaskConfig", "min_level..max_level",
+              (self.min_level, self.max_level), "need 1 <= min_level <= max_level <= 5")
+        check(self.on_bad_row in ("skip", "error"), "TaskConfig", "on_bad_row", self.on_bad_row,
+              "must be 'skip' or 'error'")
+        check(not self.eval_dataset or self.dataset, "TaskConfig", "eval_dataset",
+              self.eval_dataset, "needs task.dataset (the synthetic task has its own eval split)")
+        for name in ("prompt_key", "answer_key"):
+            check(bool(getattr(self, name)), "TaskConfig", name, getattr(self, name),
+                  "must name a field")
+        check(self.prompt_key != self.answer_key, "TaskConfig", "answer_key", self.answer_key,
+              "must differ from prompt_key")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to train. `model_dir` empty means the embedded tiny default."""
+
+    model_dir: str = ""
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        positive(self, "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        check(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig",
+              "num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
+        head_dim = self.hidden_size // self.num_attention_heads
+        check(head_dim in VLLM_HEAD_SIZES, "ModelConfig", "hidden_size/num_attention_heads",
+              head_dim, f"vLLM's attention kernels support head sizes {VLLM_HEAD_SIZES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmStartConfig:
+    """Short supervised phase that makes the embedded model sometimes right.
+
+    The demonstrations come from an imperfect teacher: a fraction `demo_error_rate` of
+    them end the right answer with a stray trailing "0" (a systematic habit, like the
+    formatting slips SFT data carries into real models). Greedy decoding inherits the
+    habit, while sampling still often stops at the right place, so the verifiable
+    reward has something to correct and the warm-started policy is sometimes right.
+    """
+
+    steps: int = 450
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    demo_error_rate: float = 0.6
+    cache_dir: str = "~/.cache/fnrl/models"
+
+    def __post_init__(self):
+        positive(self, "steps", "batch_size", "learning_rate")
+        check(0.0 <= self.demo_error_rate < 1.0, "WarmStartConfig", "demo_error_rate",
+              self.demo_error_rate, "must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Trainer mesh shape over axes ("data", "fsdp", "tensor"); data=-1 takes the rest."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        check(self.data == -1 or self.data > 0, "MeshConfig", "data", self.data,
+              "must be -1 (all remaining devices) or > 0")
+        positive(self, "fsdp", "tensor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """How the trainer lays out and splits each batch.
+
+    length_buckets: static row lengths; a batch takes the smallest that fits, so the
+    step compiles at most once per bucket (empty: powers of two from 16 up to the model's
+    maximum length).
+    pack_rows: 0 = one sequence per row; > 0 = pack sequences into this many rows,
+    keeping each GRPO group inside one micro-batch.
+    """
+
+    micro_batches: int = 1
+    length_buckets: tuple[int, ...] = ()
+    pack_rows: int = 0
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def __post_init__(self):
+        name = "TrainerConfig"
+        positive(self, "micro_batches")
+        buckets = tuple(self.length_buckets)
+        object.__setattr__(self, "length_buckets", buckets)
+        check(all(isinstance(b, int) and b > 1 for b in buckets), name, "length_buckets", buckets,
+              "must be ints > 1")
+        check(list(buckets) == sorted(set(buckets)), name, "length_buckets", buckets,
+              "must be strictly increasing")
+        check(self.pack_rows >= 0, name, "pack_rows", self.pack_rows, "must be >= 0")
+        check(self.pack_rows % self.micro_batches == 0, name, "pack_rows", self.pack_rows,
+              f"must be a multiple of micro_batches={self.micro_batches}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """vLLM generation servers and the response-length workload they are given.
+
+    `response_len`: "natural" lets each response end at EOS (at most
+    algo.max_new_tokens). "lognormal" and "pareto" force every trajectory to a length
+    drawn per trajectory from a heavy-tailed distribution (median `len_median`,
+    clipped to [1, `len_max`]): the request sets `ignore_eos`, the answer graded is the
+    text before the first EOS, and the tokens after it stand for a reasoning model's
+    long tail. It makes generation time long-tailed on any machine (fnrl.control.workload).
+    """
+
+    num_servers: int = 1
+    max_num_seqs: int = 256
+    kv_memory_fraction: float = 0.0
+    """0: each server reserves the KV cache max_num_seqs sequences of the model's length
+    need, checked against free memory at start. Else vLLM's --gpu-memory-utilization
+    (on CPU: the fraction of total RAM for the whole server process)."""
+    groups_per_batch: int = 16
+    """Fresh prompt groups kept waiting in the trajectory server."""
+    kv_capacity_tokens: int = 0
+    """KV budget per server the coordinator plans with, in tokens (0: the server's own,
+    from /metrics: room for max_num_seqs full-length sequences, or with
+    kv_memory_fraction a slice of RAM). On CPU that is far above what one core can
+    decode; a smaller budget makes routing, repack and migration see the load."""
+    start_timeout_s: float = 600.0
+    request_timeout_s: float = 300.0
+    response_len: Literal["natural", "lognormal", "pareto"] = "natural"
+    len_median: float = 16.0
+    len_sigma: float = 1.0
+    """lognormal: σ of log-length; pareto: the shape α (smaller: heavier tail)."""
+    len_max: int = 96
+
+    def __post_init__(self):
+        positive(self, "num_servers", "max_num_seqs", "groups_per_batch", "start_timeout_s",
+                 "request_timeout_s", "len_median", "len_sigma", "len_max")
+        check(0 <= self.kv_memory_fraction < 1, "RolloutConfig", "kv_memory_fraction",
+              self.kv_memory_fraction, "must be in [0, 1) (0: sized from the run's need)")
+        check(self.kv_capacity_tokens >= 0, "RolloutConfig", "kv_capacity_tokens",
+              self.kv_capacity_tokens, "must be >= 0 (0: the server's own)")
+        check(self.response_len in ("natural", "lognormal", "pareto"), "RolloutConfig",
+              "response_len", self.response_len, "must be natural, lognormal or pareto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The whole job. `preset` names the ablation preset the other fields started from
+    (fnrl.experiments.presets); the command line overrides any of them."""
+
+    preset: str = ""
+    steps: int = 60
+    eval_every: int = 10
+    seed: int = 0
+    run_dir: str = ""
+    resume: bool = True
+    trainer_timeout_s: float = 600.0
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    coord: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self):
+        positive(self, "steps", "eval_every", "trainer_timeout_s")
+
+    @property
+    def batch_size(self) -> int:
+        return self.algo.group_size * self.algo.groups_per_step

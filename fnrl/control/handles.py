@@ -1,0 +1,173 @@
+"""Role handles: what the controller loop needs of a trainer, a rollout, the relay tier
+and the clock, as typed interfaces.
+
+The loop (fnrl.control.loop) talks only to these. Local processes implement them
+(fnrl.control.local: a ZeroMQ trainer process, vLLM HTTP servers, the relay tier),
+in-process fakes implement them in tests (tests/control/fakes.py), and a Ray-placed
+or simulated implementation plugs in the same way: build a `Roles` and hand it to
+`Controller`. A handle never decides anything; the loop's pure policies do, and `act`
+calls the handle. Failures surface as `RoleError` (a role died or answered with an
+error) or `ServerError` (a rollout's request failed), and `exit_code()` says whether
+the role's process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from fnrl.serving.client import Completion, ServerError, StreamChunk
+from fnrl.shell.wire import RoleError
+
+__all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "RelayTierHandle",
+           "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Where the loop reads time and waits: real time, or a simulator's virtual time."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock (arbitrary origin)."""
+
+    def epoch(self) -> float:
+        """Seconds since 1970: comparable across processes and controller restarts."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def epoch(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    version: int                      # the trainer's version after the step
+    metrics: Mapping[str, float]      # the step's metrics (update_skipped = 1.0: no update)
+
+
+@runtime_checkable
+class TrainerHandle(Protocol):
+    """The trainer role (one process, or a group of processes on one mesh)."""
+
+    name: str
+
+    def exit_code(self) -> int | None:
+        """The process's exit code, or None while it runs."""
+
+    async def init(self) -> tuple[int, int | None]:
+        """Builds (or restores) the train state and publishes it: (version, resumed_from)."""
+
+    async def train(self, arrays: Mapping[str, np.ndarray]) -> TrainResult:
+        """One step on `arrays`; the new version is published before it returns."""
+
+    async def restart(self) -> int:
+        """Replaces a failed trainer (a warm standby when there is one) restored from its
+        newest checkpoint; returns the version restored."""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class RolloutHandle(Protocol):
+    """One generation server (vLLM with fnrl's worker extension)."""
+
+    name: str
+
+    def exit_code(self) -> int | None: ...
+
+    async def kv_capacity_tokens(self) -> int: ...
+
+    async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
+                       temperature: float, seed: int | None = None,
+                       stop_token_ids: Sequence[int] = ()) -> list[Completion]: ...
+
+    def generate_stream(self, prompt_ids: Sequence[int], *, max_tokens: int,
+                        temperature: float, seed: int | None = None,
+                        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                        request_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Streams the tokens and log-probs of one sample; closing it aborts the request."""
+
+    async def pull(self, relay_address: str, *, min_version: int = -1,
+                   relay_timeout_s: float = 30.0) -> int:
+        """Loads the relay's newest weights (at least `min_version`); the version served."""
+
+    async def metrics(self) -> Mapping[str, float]:
+        """The heartbeat: vLLM's load gauges (`vllm:num_requests_waiting`, ...)."""
+
+    async def restart(self) -> float:
+        """Replaces a failed server with a new one (no weights pulled yet); returns the
+        seconds the new server took to start."""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None: ...
+
+
+@dataclass(frozen=True)
+class RelayEvent:
+    """The relay tier repaired its chain: `relay` was spliced out (or a master elected)."""
+
+    relay: str
+    cause: str            # "exited", "hung", ...
+    failed_at: float      # epoch seconds: the relay stopped serving (as the tier saw it)
+    repaired_at: float    # epoch seconds: the survivors hold their new places
+    master: str | None    # the master after the repair
+    was_master: bool = False
+
+
+@runtime_checkable
+class RelayTierHandle(Protocol):
+    """The relays that hand each new version from the trainer to the rollouts."""
+
+    names: tuple[str, ...]
+
+    def address_for(self, rid: int) -> str:
+        """The relay rollout `rid` pulls from (a survivor once its own is spliced out)."""
+
+    def check(self) -> None:
+        """Raises RoleError when no relay is left to serve weights."""
+
+    def events(self) -> tuple[RelayEvent, ...]:
+        """Every chain repair since the tier started, oldest first."""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None: ...
+
+
+@dataclass
+class Roles:
+    """Every role of one job, as the loop sees them."""
+
+    trainer: TrainerHandle
+    rollouts: list[RolloutHandle]
+    relays: RelayTierHandle
+
+    def names(self) -> tuple[str, ...]:
+        return ("trainer", *(r.name for r in self.rollouts), *self.relays.names)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signals the role called `name` (fault injection)."""
+        if name == "trainer":
+            self.trainer.kill(sig)
+        elif name in self.relays.names:
+            self.relays.kill(name, sig)
+        else:
+            by_name = {r.name: r for r in self.rollouts}
+            if name not in by_name:
+                raise KeyError(f"no role named {name!r}; roles are {', '.join(self.names())}")
+            by_name[name].kill(sig)

@@ -1,0 +1,137 @@
+"""The trainer side of `act`: a Consume takes exactly the named groups from the table,
+checks the staleness bound on every token, builds the batch and trains it as a task.
+
+A step the trainer skips (a non-finite loss or gradient: parameters and optimizer state
+kept bit for bit) still consumes its groups; the trainer's version does not advance,
+and the next snapshot tells the schedule so (`skipped_steps`), which moves its buffers
+one version down, so the run goes on at the same version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Protocol
+
+from fnrl.config import RunConfig
+from fnrl.control.book import Book, Services, TaskIO
+from fnrl.control.handles import RoleError, TrainerHandle, TrainResult
+from fnrl.control.recovery import ConsumedLog
+from fnrl.control.trajectories import TrajectoryTable
+from fnrl.trainer.batching import make_batch
+from fnrl.types import Consume, Group
+
+
+class StalenessViolation(AssertionError):
+    """A consumed batch holds a token older than the bound allows: a coordinator bug."""
+
+
+class TrainWatch(Protocol):
+    """What training tells the fault detector (fnrl.control.supervisor)."""
+
+    def train_started(self, step: int) -> None: ...
+
+    def train_returned(self) -> None: ...
+
+    def train_raised(self, err: Exception) -> None: ...
+
+
+def check_bound(groups: tuple[Group, ...], version: int, eta: int) -> tuple[int, int]:
+    """StaleFlow §4.2 on every consumed token: V_token + η ≥ V_buf. Returns the tokens
+    checked and the largest staleness seen; raises StalenessViolation naming the group."""
+    tokens, worst = 0, 0
+    for g in groups:
+        for tr in g.trajectories:
+            for s in tr.segments:
+                if s.version + eta < version:
+                    raise StalenessViolation(
+                        f"group {g.problem.uid} has a token of version {s.version}, too old "
+                        f"for buffer {version} (η={eta})")
+                tokens += len(s.token_ids)
+                if s.token_ids:
+                    worst = max(worst, version - s.version)
+    return tokens, worst
+
+
+class Training:
+    def __init__(self, cfg: RunConfig, trainer: TrainerHandle, *, table: TrajectoryTable,
+                 consumed: ConsumedLog, journal, task: TaskIO, book: Book, svc: Services,
+                 watch: TrainWatch, on_step: Callable[[dict, dict], None]):
+        self.cfg, self.trainer, self.table, self.consumed = cfg, trainer, table, consumed
+        self.journal, self.task, self.book, self.svc = journal, task, book, svc
+        self.watch, self.on_step = watch, on_step
+        self.durations: list[float] = []
+        self._restarted: asyncio.Future | None = None
+
+    def consume(self, cmd: Consume) -> None:
+        """Applies a Consume to the bookkeeping now; the step runs as a task."""
+        names = [self.table.groups[g].name for g in cmd.gids]
+        self.journal.write("consume", version=cmd.version, groups=names)
+        self.book.trainer_busy = True
+        self.svc.spawn(self._train(cmd, self.table.consume(cmd.gids)))
+
+    def restarted(self, version: int) -> None:
+        """The supervisor replaced the trainer; it restored `version`."""
+        if self._restarted is not None and not self._restarted.done():
+            self._restarted.set_result(version)
+
+    def typical_step_s(self) -> float:
+        recent = sorted(self.durations[-10:])
+        return recent[len(recent) // 2] if recent else 0.5
+
+    async def _train(self, cmd: Consume, groups: tuple[Group, ...]) -> None:
+        b = self.book
+        if cmd.version != b.trainer_version:
+            raise StalenessViolation(f"Consume names version {cmd.version} but the trainer "
+                                     f"is at {b.trainer_version}")
+        eta = self.cfg.coord.eta
+        checked, worst = check_bound(groups, cmd.version, eta)
+        arrays, stats = make_batch(groups, b.trainer_version, algo=self.cfg.algo,
+                                   trainer=self.cfg.trainer, seq_len=self.task.seq_len,
+                                   pad_id=self.task.pad_id)
+        result, t0 = await self._call(cmd.version, arrays)
+        t1 = self.svc.clock.now()
+        self.durations.append(t1 - t0)
+        b.time["train_call_s"] += t1 - t0
+        b.last_train_end_s = t1 - self.svc.t0
+        self.svc.event("train", t0=t0, version=cmd.version)
+        for g in groups:
+            self.consumed.log(g.problem.uid, cmd.version, g.trajectories)
+        self.journal.write("trained", version=cmd.version)
+        skipped = result.version == cmd.version
+        b.skipped_steps += skipped
+        b.counts["skipped_updates"] += skipped
+        b.trainer_version = result.version
+        b.steps_done += 1
+        b.trained_tokens += stats["tokens"]
+        b.checked_tokens += checked
+        b.max_staleness = max(b.max_staleness, worst)
+        b.counts["consumed_groups"] += len(groups)
+        b.trainer_busy = False
+        self.on_step(dict(result.metrics), {**stats, "eta": eta, "staleness_checked_tokens": checked,
+                                            "staleness_checked_max": worst})
+        self.svc.wake()
+
+    async def _call(self, version: int, arrays) -> tuple[TrainResult, float]:
+        """Trains version → version + 1 on `arrays`. If the trainer fails during the step,
+        waits for the supervisor to restart it from its newest checkpoint, then sends the
+        same batch again, unless that checkpoint already holds this step (the trainer
+        died after saving it): the step is then taken as done, without its metrics."""
+        while True:
+            self._restarted = asyncio.get_running_loop().create_future()
+            self.watch.train_started(version + 1)
+            t0 = self.svc.clock.now()
+            try:
+                result = await self.trainer.train(arrays)
+                self.watch.train_returned()
+                return result, t0
+            except RoleError as err:
+                self.watch.train_raised(err)
+                self.book.counts["train_retries"] += 1
+            restored = await self._restarted
+            if restored == version + 1:
+                self.book.counts["steps_recovered_from_checkpoint"] += 1
+                self.watch.train_returned()
+                return TrainResult(restored, {"recovered_from_checkpoint": 1.0}), t0
+            if restored != version:
+                raise StalenessViolation(f"the restarted trainer resumed at version {restored}, "
+                                         f"but the batch in flight trains version {version}")

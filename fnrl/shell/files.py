@@ -1,0 +1,36 @@
+"""Files the roles share: atomic replacement, and the tail of a log for error messages."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Enough for the last lines of a Python traceback without reading a long vLLM log whole.
+_TAIL_BYTES = 16_384
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = False) -> None:
+    """Writes `data` to a temporary file beside `path`, then renames it over `path`, so a
+    reader (or a restart after a crash) sees the old file or the new one, never half.
+    `fsync`: also survive power loss, not just a crash of this process."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = 30) -> str:
+    """"; last lines of PATH:\\n..." for an error message, or "" when there is no log."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+            text = f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"; last lines of {path}:\n" + "\n".join(text)
