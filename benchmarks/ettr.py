@@ -15,10 +15,12 @@ another on this machine:
              checkpoint and the controller's journal (the ByteRobust-style baseline);
   parts      two rollouts and three relays: rollout 1 killed mid-generation, then the
              middle relay and the master relay, to time rollout recovery and chain repair.
-ETTR (fnrl.control.supervisor) = 1 − role-seconds down / role-seconds in all, over the
-trainer and the rollouts: a role is down from the moment it stops doing useful work (the
-start of the step a trainer kill loses, a rollout's kill) until it serves again; under a
-job restart every role is down until the restarted loop runs.
+ETTR (fnrl.control.report.ettr, over every attempt) = 1 − role-seconds not doing useful
+work / role-seconds in all. Units: the trainer, every rollout and every relay. A role is
+down from the moment it stops doing useful work (the start of the step a trainer kill
+loses, a rollout's kill, a relay's last answer) until it serves again; a rollout with
+nothing to do while the trainer is down counts as down; between attempts (a job restart)
+every role is down until the restarted loop runs.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def main() -> None:
 
         def down(c):
             if c == "job":
-                gaps = runs[c]["summary"]["job_restart_s"]
+                gaps = runs[c]["summary"]["restart_gaps_s"]
                 return f"{np.mean(gaps):.1f} / {max(gaps):.1f}"
             d = [e["down_s"] for e in _recoveries(runs[c]["events"], "trainer")]
             return f"{np.mean(d):.1f} / {max(d):.1f}"
@@ -125,8 +127,9 @@ def main() -> None:
                   f"to serving the newest version; its server's own start {e['server_start_s']:.1f} s; "
                   f"difference {over:.1f} s (goal <= 5 s); down {e['down_s']:.1f} s since the kill")
         for e in (e for e in ev if e["event"] == "chain_repaired"):
-            print(f"chain repair after killing {e['role']}: {e['repair_s'] * 1e3:.0f} ms (goal < 1000 ms); "
-                  f"chain now {' -> '.join(e['chain'])}")
+            print(f"chain repair after killing {e['role']} ({e['cause']}): "
+                  f"{e['repair_s'] * 1e3:.0f} ms from its last answer to the survivors' new places "
+                  f"(goal < 1000 ms); master now {e['master']}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ def plot_run(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir / "metrics.jsonl")
-    train = [r for r in records if r["kind"] == "train"]
+    # (A step trained while no controller ran has a record without the step's metrics.)
+    train = [r for r in records if r["kind"] == "train" and "reward_mean" in r]
     evals = [r for r in records if r["kind"] == "eval"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     if train:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fnrl.config import RelayConfig
-from fnrl.relay.launch import relay_argv, wait_relay_ready
+from fnrl.relay.launch import relay_argv, remove_segments, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
 from fnrl.serving.server import ServerSpec, launch_server, wait_ready
 from fnrl.shell import procs
@@ -41,8 +41,10 @@ class RoleProcess:
 SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal here
 
 
-def _spawn(name: str, argv: list[str], log_path: Path, address: str) -> RoleProcess:
-    proc = procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+def _spawn(name: str, argv: list[str], log_path: Path, address: str,
+           death_signal: int = signal.SIGKILL) -> RoleProcess:
+    proc = procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                       death_signal=death_signal)
     return RoleProcess(name, proc, log_path, address)
 
 
@@ -55,6 +57,11 @@ class Cluster:
         # A previous controller of this run that was SIGKILLed may have left some (a vLLM
         # engine process outlives its server when only the server had PDEATHSIG).
         reap_leftovers(run_dir / "roles.json")
+        # What those left in shared memory (a relay stopped, or killed before it could
+        # unlink its segments).
+        for name, info in read_roles(run_dir / "roles.json").items():
+            if name.startswith("relay") and not procs.alive(int(info["pid"])):
+                remove_segments(name, int(info["pid"]))
         self.roles: list[RoleProcess] = []
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None
@@ -71,8 +78,10 @@ class Cluster:
 
     def start_relay(self, name: str = "relay0", cfg: RelayConfig | None = None) -> RoleProcess:
         address = f"tcp://127.0.0.1:{free_port()}"
+        # SIGTERM when the controller dies, even by SIGKILL: the relay unlinks its
+        # shared-memory segments on the way out.
         role = _spawn(name, relay_argv(address, name, cfg),
-                      self.run_dir / "logs" / f"{name}.log", address)
+                      self.run_dir / "logs" / f"{name}.log", address, death_signal=signal.SIGTERM)
         return self._add(role)
 
     def start_relays(self, cfg: RelayConfig, timeout_s: float = 60.0) -> RelayTier:
@@ -177,3 +186,11 @@ class Cluster:
             self.roles = [r for r in self.roles if r.name not in relays]
         procs.stop_all([r.proc for r in self.roles], grace_s)
         self.roles.clear()
+
+
+def read_roles(path: Path) -> dict:
+    """roles.json of a previous controller of the run ({} when there is none)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

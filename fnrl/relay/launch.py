@@ -62,5 +62,13 @@ def stop_relay(proc: subprocess.Popen, name: str, timeout_s: float = 10.0) -> No
     """SIGTERM (the relay unlinks its segments), SIGKILL if it lingers, then remove
     whatever segments this process left behind."""
     procs.stop(proc, timeout_s, group=False)
-    for path in store.SHM_DIR.glob(f"{segment_prefix(name)}{proc.pid}-*"):
+    remove_segments(name, proc.pid)
+
+
+def remove_segments(name: str, pid: int) -> int:
+    """Unlinks the shared-memory segments relay `name` (process `pid`) left behind;
+    returns how many. A relay killed before its clean-up (SIGKILL) leaves them."""
+    paths = list(store.SHM_DIR.glob(f"{segment_prefix(name)}{pid}-*"))
+    for path in paths:
         store.unlink_segment(path.name)
+    return len(paths)

@@ -24,27 +24,29 @@ _OURS = (b"fnrl", b"vllm", b"VLLM")
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """PR_SET_PDEATHSIG(SIGKILL) on Linux (a `preexec_fn`, or called in a child that
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """PR_SET_PDEATHSIG(sig) on Linux (a `preexec_fn`, or called in a child that
     another library forks); a no-op elsewhere."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def spawn(argv: list[str], log_path: str | os.PathLike, *,
           env: Mapping[str, str] | None = None, own_session: bool = True,
-          with_parent: bool = True) -> subprocess.Popen:
+          with_parent: bool = True, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
     """Starts `argv` with stdout and stderr appended to `log_path` and no stdin.
 
     own_session: leads its own session and process group (`stop` ends the group).
-    with_parent: dies with the thread that spawned it (PR_SET_PDEATHSIG); leave it off
-    for a process started from a short-lived thread.
+    with_parent: gets `death_signal` when the thread that spawned it ends
+    (PR_SET_PDEATHSIG); leave it off for a process started from a short-lived thread.
+    SIGTERM lets a role that owns shared memory unlink it when its job is SIGKILLed.
     """
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, env=dict(env) if env is not None else None, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=own_session,
-                                preexec_fn=die_with_parent if with_parent else None)
+                                preexec_fn=(lambda: die_with_parent(death_signal))
+                                if with_parent else None)
     proc.fnrl_log_path = Path(log_path)  # for error messages (files.log_tail)
     return proc
 
@@ -56,6 +58,17 @@ def signal_group(proc: subprocess.Popen, sig: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (zombies included)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def group_gone(proc: subprocess.Popen) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from fnrl.control.handles import RelayEvent, Roles, ServerError
 from fnrl.control.loop import Controller
-from fnrl.control.metrics import MetricsWriter
+from fnrl.control.metrics import MetricsWriter, plot_run
 from fnrl.control.report import across_attempts, read_jsonl
 from fnrl.control.supervisor import JobRestart
 from fnrl.experiments.presets import apply_preset
@@ -212,6 +212,7 @@ def test_a_controller_killed_twice_with_a_torn_journal_resumes_exactly_once(tmp_
     assert total["attempts"] == 3 and total["killed_attempts"] == 2
     assert total["consumed_groups_all"] == 9 * GROUPS
     assert total["train_records_all"] == 9
+    assert plot_run(tmp_path).exists()
 
 
 def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_path):
