@@ -100,6 +100,8 @@ class Controller:
                 self.svc.reap()
             wall, eval_in_loop = self.svc.now(), self.book.time["eval_s"]
             await self.generation.stop_streams()
+            await self.supervisor.settle()
+            self.svc.reap()   # a restart that failed for good raises here
             await self.generation.evaluate_now()
             summary = self.summary(wall, eval_in_loop)
             self.attempts.write("end", self.svc.clock.epoch(), **self._progress(wall))

@@ -77,6 +77,7 @@ class Supervisor:
         self.pending_kills: dict[str, float] = {}   # role -> when an injected fault landed
         self._rng = np.random.default_rng(cfg.seed)
         self._relay_events_seen = 0
+        self._restarts: set[asyncio.Task] = set()
         # Set by the loop: what to do with a failed or restarted rollout / trainer.
         self.generation = self.training = None
         path = run_dir / "faults.jsonl"
@@ -190,12 +191,20 @@ class Supervisor:
         w = self.watches[role]
         w.restarting, w.error, w.busy_since_s = True, None, None
         if role == "trainer":
-            self.svc.spawn(self._restart(role, self._restart_trainer))
+            task = self.svc.spawn(self._restart(role, self._restart_trainer))
         else:
             rid = next(i for i, r in enumerate(self.roles.rollouts) if r.name == role)
             self.roles.rollouts[rid].kill()
             self.generation.rollout_down(rid)
-            self.svc.spawn(self._restart(role, lambda: self._restart_rollout(rid)))
+            task = self.svc.spawn(self._restart(role, lambda: self._restart_rollout(rid)))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def settle(self) -> None:
+        """Waits for the restarts under way (the run's steps are done), so the job ends
+        with every role serving and each failure's recovery in faults.jsonl."""
+        if self._restarts:
+            await asyncio.wait(list(self._restarts))
 
     async def _restart(self, role: str, attempt) -> None:
         """Runs `attempt` until it succeeds; a failed restart is retried while the

@@ -40,5 +40,5 @@ def select_groups(group_rewards: Sequence[Sequence[float | None]], num_groups: i
 
 
 def keep_group(rewards_N: Sequence[float | None], *, dynamic_sampling: bool) -> bool:
-    """Whether a rewarded group goes to the experience buffer (else it is dropped)."""
+    """Whether a rewarded group waits to be trained (else it is dropped)."""
     return not dynamic_sampling or informative(rewards_N)

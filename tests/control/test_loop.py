@@ -234,3 +234,21 @@ def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_
              if t["uid"] in discarded for v, n in t["segments"]]
     assert again and min(v for v, _ in again) >= 2 + cfg.coord.eta + 2
     check_consumed(tmp_path, cfg.coord.eta, len(consumed_groups(tmp_path)))
+
+
+def test_the_run_ends_after_the_restarts_under_way(tmp_path):
+    cfg = make_cfg("fnrl", inject=[f"rollout1:at={STEPS}"])
+    roles = make_roles(length=8, tokens_per_turn=1)
+    slow = roles.rollouts[1]
+    quick_restart = slow.restart
+
+    async def slow_restart():
+        for _ in range(300):               # longer than the rest of the run
+            await asyncio.sleep(0)
+        return await quick_restart()
+
+    slow.restart = slow_restart
+    ctl, summary = run(cfg, roles, tmp_path)
+    events = read_jsonl(tmp_path / "faults.jsonl")
+    assert any(e["event"] == "recovered" and e["role"] == "rollout1" for e in events)
+    assert slow.restarts == 1 and summary["steps"] == STEPS
