@@ -74,8 +74,11 @@ class LocalTrainer:
         else:
             self.cluster.restart_trainer()
             cmd = "init"
-        self.client = self._client("trainer")
-        reply = await self._call(self.client, {"cmd": cmd})
+        # Published once it answered: a train call made meanwhile goes to the dead client
+        # and fails (a REQ socket must never carry two calls at once).
+        client = self._client("trainer")
+        reply = await self._call(client, {"cmd": cmd})
+        self.client = client
         self.record("trainer_started", how=cmd, version=reply["version"])
         self._background(self._start_standby())
         return reply["version"]

@@ -60,7 +60,8 @@ class Training:
         self.journal, self.task, self.book, self.svc = journal, task, book, svc
         self.watch, self.on_step = watch, on_step
         self.durations: list[float] = []
-        self._restarted: asyncio.Future | None = None
+        self.restarts, self.restored = 0, -1
+        self._restart = asyncio.Event()   # set (and replaced) by each restart
 
     def consume(self, cmd: Consume) -> None:
         """Applies a Consume to the bookkeeping now; the step runs as a task."""
@@ -71,8 +72,9 @@ class Training:
 
     def restarted(self, version: int) -> None:
         """The supervisor replaced the trainer; it restored `version`."""
-        if self._restarted is not None and not self._restarted.done():
-            self._restarted.set_result(version)
+        self.restarts, self.restored = self.restarts + 1, version
+        self._restart.set()
+        self._restart = asyncio.Event()
 
     def typical_step_s(self) -> float:
         recent = sorted(self.durations[-10:])
@@ -117,7 +119,7 @@ class Training:
         same batch again, unless that checkpoint already holds this step (the trainer
         died after saving it): the step is then taken as done, without its metrics."""
         while True:
-            self._restarted = asyncio.get_running_loop().create_future()
+            seen, restart = self.restarts, self._restart
             self.watch.train_started(version + 1)
             t0 = self.svc.clock.now()
             try:
@@ -125,9 +127,11 @@ class Training:
                 self.watch.train_returned()
                 return result, t0
             except RoleError as err:
-                self.watch.train_raised(err)
                 self.book.counts["train_retries"] += 1
-            restored = await self._restarted
+                if self.restarts == seen:   # the trainer it went to failed: wait for the next
+                    self.watch.train_raised(err)
+                    await restart.wait()
+            restored = self.restored
             if restored == version + 1:
                 self.book.counts["steps_recovered_from_checkpoint"] += 1
                 self.watch.train_returned()
