@@ -265,7 +265,14 @@ class Supervisor:
         self.svc.spawn(self._inject(inj, step, delay))
 
     async def _inject(self, inj: F.Injection, step: int, delay: float) -> None:
-        await self.svc.clock.sleep(delay)
+        start = self.svc.now()
+        while self.svc.now() - start < delay:
+            # A train-phase kill lands inside its step: at the latest when the step returns
+            # (the typical step may include a compile, and a late kill would land in a
+            # later step, on top of that step's own injection).
+            if inj.phase == "train" and self.book.steps_done >= step:
+                break
+            await self.svc.clock.sleep(0.01)
         if inj.role == "controller":
             self.record("inject", role="controller", step=step)
             self._log.flush()

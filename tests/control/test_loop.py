@@ -237,7 +237,7 @@ def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_
 
 
 def test_the_run_ends_after_the_restarts_under_way(tmp_path):
-    cfg = make_cfg("fnrl", inject=[f"rollout1:at={STEPS}"])
+    cfg = make_cfg("fnrl", inject=[f"rollout1:at={STEPS - 1}"])
     roles = make_roles(length=8, tokens_per_turn=1)
     slow = roles.rollouts[1]
     quick_restart = slow.restart
