@@ -72,11 +72,11 @@ def run_fnrl(p: dict, steps: int, warmup: int) -> dict:
     import jax.numpy as jnp
 
     from fnrl.config import AlgoConfig
-    from fnrl.models.qwen2 import Qwen2Config, init_model
+    from fnrl.models.decoder import DecoderConfig, init_model
     from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 
     base_mb = _rss_mb()
-    cfg = Qwen2Config(**{k: v for k, v in p.items() if k not in ("batch", "seq", "dtype")})
+    cfg = DecoderConfig(**{k: v for k, v in p.items() if k not in ("batch", "seq", "dtype")})
     dtype = jnp.bfloat16 if p["dtype"] == "bfloat16" else jnp.float32
     graphdef, params = init_model(cfg, seed=0, dtype=dtype)  # f32 master weights
     algo = AlgoConfig(learning_rate=1e-5)

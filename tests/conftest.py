@@ -19,7 +19,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from fnrl.data.arith import BOS, EOS, PAD, build_tokenizer, save_tokenizer
     from fnrl.experiments.warm_start import model_config
     from fnrl.models.hf_io import save_pretrained
-    from fnrl.models.qwen2 import init_model
+    from fnrl.models.decoder import init_model
 
     tok = build_tokenizer()
     tok_dir = tmp_path_factory.mktemp("tok")

@@ -26,14 +26,14 @@ from fnrl.data.arith import (BOS, EOS, PAD, PromptStream, build_tokenizer, eval_
                              save_tokenizer)
 from fnrl.data.reward import math_reward
 from fnrl.models.hf_io import save_pretrained
-from fnrl.models.qwen2 import Qwen2Config, forward, init_model
+from fnrl.models.decoder import DecoderConfig, forward, init_model
 from fnrl.trainer.step import init_state, pack_sequences, sft_step
 
 _RECIPE_VERSION = 2  # bump when the recipe below changes what gets built
 
 
-def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> Qwen2Config:
-    return Qwen2Config(
+def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> DecoderConfig:
+    return DecoderConfig(
         vocab_size=vocab_size, hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
         num_attention_heads=model.num_attention_heads,

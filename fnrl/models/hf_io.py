@@ -1,7 +1,7 @@
 """Conversion between fnrl Qwen2 params and Hugging Face checkpoints.
 
 `params` everywhere is the pure nested dict `nnx.to_pure_dict(nnx.split(model)[1])`
-(see `fnrl.models.qwen2`); an `nnx.State` is accepted too. Loaders return numpy host
+(see `fnrl.models.decoder`); an `nnx.State` is accepted too. Loaders return numpy host
 arrays so the caller chooses placement: `jax.device_put(params, shardings)`.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from fnrl.models.qwen2 import Qwen2Config, abstract_model, init_model
+from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 
 __all__ = ["params_to_hf", "hf_to_params", "load_pretrained", "save_pretrained", "init_model"]
 
@@ -34,7 +34,7 @@ def _same(x):
     return x
 
 
-def _table(cfg: Qwen2Config) -> list[_Entry]:
+def _table(cfg: DecoderConfig) -> list[_Entry]:
     """Every tensor's name, location and layout change, in one place."""
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -75,7 +75,7 @@ def _table(cfg: Qwen2Config) -> list[_Entry]:
     return table
 
 
-def params_to_hf(cfg: Qwen2Config, params, *, dtype=np.float32) -> dict[str, np.ndarray]:
+def params_to_hf(cfg: DecoderConfig, params, *, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named, HF-layout contiguous numpy tensors in `dtype` (float32 by default).
 
     Pure numpy after one host transfer per leaf; `lm_head.weight` only when untied.
@@ -91,7 +91,7 @@ def params_to_hf(cfg: Qwen2Config, params, *, dtype=np.float32) -> dict[str, np.
     return out
 
 
-def hf_to_params(cfg: Qwen2Config, tensors: Mapping[str, np.ndarray], *,
+def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
                  dtype=np.float32) -> dict:
     """Pure-dict params (numpy leaves in `dtype`) from HF tensors; extra tensors are ignored."""
     params: dict = {}
@@ -123,7 +123,7 @@ def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
 
 
 def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
-                    param_dtype=jnp.float32) -> tuple[Qwen2Config, nnx.GraphDef, dict]:
+                    param_dtype=jnp.float32) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
     """Reads `config.json` and (possibly sharded) safetensors into (cfg, graphdef, params).
 
     `dtype`/`param_dtype` are the model's compute and storage dtypes; params are numpy.
@@ -132,13 +132,13 @@ def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"missing {config_path}")
-    cfg = Qwen2Config.from_hf(json.loads(config_path.read_text()))
+    cfg = DecoderConfig.from_hf(json.loads(config_path.read_text()))
     graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     params = hf_to_params(cfg, _read_tensors(model_dir), dtype=np.dtype(param_dtype))
     return cfg, graphdef, params
 
 
-def _generation_config(cfg: Qwen2Config) -> dict:
+def _generation_config(cfg: DecoderConfig) -> dict:
     # Token ids only: vLLM adopts sampling defaults (top_k, temperature, ...) from this file,
     # which would silently change the RL sampling distribution.
     ids = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
@@ -147,7 +147,7 @@ def _generation_config(cfg: Qwen2Config) -> dict:
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def save_pretrained(model_dir: str | os.PathLike, cfg: Qwen2Config, params, *,
+def save_pretrained(model_dir: str | os.PathLike, cfg: DecoderConfig, params, *,
                     tokenizer_dir: str | os.PathLike | None = None, dtype=np.float32) -> Path:
     """Writes an HF checkpoint directory (config, safetensors, generation config, tokenizer).
 

@@ -23,7 +23,7 @@ import zmq
 
 from fnrl.config import RunConfig, from_dict
 from fnrl.models.hf_io import load_pretrained, params_to_hf
-from fnrl.models.qwen2 import logical_axes
+from fnrl.models.decoder import logical_axes
 from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for

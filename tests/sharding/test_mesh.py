@@ -11,13 +11,13 @@ import optax
 import pytest
 
 from fnrl.config import AlgoConfig, MeshConfig
-from fnrl.models.qwen2 import Qwen2Config, init_model, logical_axes
+from fnrl.models.decoder import DecoderConfig, init_model, logical_axes
 from fnrl.sharding.mesh import batch_sharding, make_mesh, mesh_from_config, partition_specs, shardings_for
 from fnrl.trainer.step import compile_train_step, init_state
 
 GOLDEN = Path(__file__).with_name("golden_partition_specs.json")
 # Every dimension divides the 2x2x2 mesh, so no rule is silently dropped.
-CFG = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+CFG = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 

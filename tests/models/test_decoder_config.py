@@ -1,4 +1,4 @@
-"""Qwen2Config validation, HF config translation and loader errors."""
+"""DecoderConfig validation, HF config translation and loader errors."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import transformers
 
 from fnrl.models.hf_io import init_model, load_pretrained, save_pretrained
-from fnrl.models.qwen2 import Qwen2Config
+from fnrl.models.decoder import DecoderConfig
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -27,43 +27,43 @@ BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_lay
 ])
 def test_bad_value_raises_naming_field(field, value):
     with pytest.raises(ValueError, match=field):
-        Qwen2Config(**{**BASE, field: value})
+        DecoderConfig(**{**BASE, field: value})
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
-    assert Qwen2Config(**BASE).head_dim == 16
-    assert Qwen2Config(**BASE, head_dim=8).head_dim == 8
+    assert DecoderConfig(**BASE).head_dim == 16
+    assert DecoderConfig(**BASE, head_dim=8).head_dim == 8
     with pytest.raises(ValueError, match="hidden_size"):
-        Qwen2Config(**{**BASE, "hidden_size": 66})
+        DecoderConfig(**{**BASE, "hidden_size": 66})
 
 
 def test_from_hf_reads_transformers_config_and_ignores_unknown_keys():
     hf = transformers.Qwen2Config(**BASE, rope_parameters={"rope_type": "default",
                                                            "rope_theta": 1e6},
                                   tie_word_embeddings=True, eos_token_id=[5, 6]).to_dict()
-    cfg = Qwen2Config.from_hf(hf)
+    cfg = DecoderConfig.from_hf(hf)
     assert cfg.rope_theta == 1e6 and cfg.tie_word_embeddings and cfg.eos_token_id == (5, 6)
     legacy = {**BASE, "rope_theta": 5e5, "num_key_value_heads": None, "unknown_key": 1}
-    assert Qwen2Config.from_hf(legacy).rope_theta == 5e5
-    assert Qwen2Config.from_hf(legacy).num_key_value_heads == 4
+    assert DecoderConfig.from_hf(legacy).rope_theta == 5e5
+    assert DecoderConfig.from_hf(legacy).num_key_value_heads == 4
 
 
 def test_from_hf_names_missing_keys_and_rejects_unsupported():
     with pytest.raises(ValueError, match="hidden_size.*num_hidden_layers"):
-        Qwen2Config.from_hf({k: v for k, v in BASE.items()
+        DecoderConfig.from_hf({k: v for k, v in BASE.items()
                              if k not in ("hidden_size", "num_hidden_layers")})
     with pytest.raises(ValueError, match="use_sliding_window"):
-        Qwen2Config.from_hf({**BASE, "use_sliding_window": True})
+        DecoderConfig.from_hf({**BASE, "use_sliding_window": True})
     with pytest.raises(ValueError, match="RoPE"):
-        Qwen2Config.from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        DecoderConfig.from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 def test_to_hf_round_trips_and_transformers_reads_it():
-    cfg = Qwen2Config(**BASE, head_dim=8, rope_theta=1e6, tie_word_embeddings=True,
+    cfg = DecoderConfig(**BASE, head_dim=8, rope_theta=1e6, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=(2, 3), pad_token_id=0)
     hf = cfg.to_hf()
     assert hf["architectures"] == ["Qwen2ForCausalLM"] and hf["model_type"] == "qwen2"
-    assert Qwen2Config.from_hf(json.loads(json.dumps(hf))) == cfg
+    assert DecoderConfig.from_hf(json.loads(json.dumps(hf))) == cfg
     theirs = transformers.AutoConfig.for_model(**hf)
     assert theirs.rope_parameters["rope_theta"] == 1e6
     assert (theirs.head_dim, theirs.num_key_value_heads, theirs.tie_word_embeddings) == (8, 2, True)
@@ -72,13 +72,13 @@ def test_to_hf_round_trips_and_transformers_reads_it():
 def test_missing_files_raise_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(Qwen2Config(**BASE).to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(DecoderConfig(**BASE).to_hf()))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_pretrained(tmp_path)
 
 
 def test_wrong_tensor_shape_is_named(tmp_path):
-    cfg = Qwen2Config(**BASE, tie_word_embeddings=True)
+    cfg = DecoderConfig(**BASE, tie_word_embeddings=True)
     _, params = init_model(cfg, 0)
     save_pretrained(tmp_path / "ckpt", cfg, params)
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**cfg.to_hf(), "vocab_size": 98}))
@@ -96,7 +96,7 @@ def test_save_copies_tokenizer_files_and_leaves_no_temp_dirs(tmp_path):
     tok.mkdir()
     (tok / "tokenizer.json").write_text("{}")
     (tok / "tokenizer_config.json").write_text("{}")
-    cfg = Qwen2Config(**BASE)
+    cfg = DecoderConfig(**BASE)
     _, params = init_model(cfg, 0)
     out = save_pretrained(tmp_path / "ckpt", cfg, params, tokenizer_dir=tok)
     assert {p.name for p in out.iterdir()} == {

@@ -11,7 +11,7 @@ import transformers
 
 from fnrl.models.hf_io import (hf_to_params, init_model, load_pretrained, params_to_hf,
                                save_pretrained)
-from fnrl.models.qwen2 import Qwen2Config, forward, logical_axes
+from fnrl.models.decoder import DecoderConfig, forward, logical_axes
 
 # Weights are drawn larger than HF's 0.02 init so logits are O(1) and 1e-4 is a relative
 # ~1e-4 check; float32 differences come only from summation order (measured ~4e-6).
@@ -74,7 +74,7 @@ def _random_params(cfg, seed):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_saved_checkpoint_loads_in_transformers(tmp_path, variant):
-    cfg = Qwen2Config(**SMALL, **VARIANTS[variant])
+    cfg = DecoderConfig(**SMALL, **VARIANTS[variant])
     graphdef, params = _random_params(cfg, seed=3)
     save_pretrained(tmp_path / "ckpt", cfg, params)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -88,7 +88,7 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path, variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_params_hf_round_trip_is_bit_exact(variant):
-    cfg = Qwen2Config(**SMALL, **VARIANTS[variant])
+    cfg = DecoderConfig(**SMALL, **VARIANTS[variant])
     _, params = _random_params(cfg, seed=5)
     tensors = params_to_hf(cfg, params)
     assert ("lm_head.weight" in tensors) != cfg.tie_word_embeddings
@@ -99,7 +99,7 @@ def test_params_hf_round_trip_is_bit_exact(variant):
 
 
 def test_packed_segments_match_separate_runs():
-    cfg = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    cfg = DecoderConfig(**SMALL, tie_word_embeddings=False)
     graphdef, params = _random_params(cfg, seed=7)
     a_T, b_T = _tokens((5,), seed=2), _tokens((4,), seed=3)
     pad = 3
@@ -118,7 +118,7 @@ def test_packed_segments_match_separate_runs():
 
 
 def test_bfloat16_compute_tracks_float32():
-    cfg = Qwen2Config(**SMALL, tie_word_embeddings=True)
+    cfg = DecoderConfig(**SMALL, tie_word_embeddings=True)
     graphdef32, params = _random_params(cfg, seed=9)
     graphdef16, _ = init_model(cfg, 0, dtype=jnp.bfloat16)
     tokens_BxT = _tokens((2, 8), seed=4)
@@ -129,7 +129,7 @@ def test_bfloat16_compute_tracks_float32():
 
 
 def test_sharded_and_bfloat16_checkpoints_load(tmp_path):
-    cfg = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    cfg = DecoderConfig(**SMALL, tie_word_embeddings=False)
     _, params = _random_params(cfg, seed=11)
     save_pretrained(tmp_path / "bf16", cfg, params, dtype=jnp.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -154,7 +154,7 @@ def test_sharded_and_bfloat16_checkpoints_load(tmp_path):
 
 
 def test_logical_axes_cover_every_param():
-    cfg = Qwen2Config(**SMALL, tie_word_embeddings=False)
+    cfg = DecoderConfig(**SMALL, tie_word_embeddings=False)
     _, params = init_model(cfg, 0)
     axes = logical_axes(cfg)
     ranks = jax.tree.map(lambda p, names: (p.ndim, len(names)), params, axes)

@@ -1,4 +1,4 @@
-"""Qwen2 decoder in Flax NNX, numerically matching Hugging Face `Qwen2ForCausalLM`.
+"""A decoder-only transformer in Flax NNX (Qwen2, Qwen2.5, Qwen3, Llama 3), numerically matching Hugging Face.
 
 The module is a definition language only: build it once, split it with
 `graphdef, params = nnx.split(model)` and run `forward(graphdef, params, ...)`.
@@ -34,7 +34,7 @@ _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen2Config:
+class DecoderConfig:
     """Architecture of a Qwen2 model; field names and defaults follow HF `config.json`."""
 
     vocab_size: int
@@ -86,7 +86,7 @@ class Qwen2Config:
                 raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> Qwen2Config:
+    def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
         """Builds a config from an HF `config.json` dict; unknown keys are ignored."""
         missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
         if missing:
@@ -181,7 +181,7 @@ def _rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.A
 class Attention(nnx.Module):
     """Grouped-query attention with q/k/v biases and no output bias."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         E, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         p = lambda init, shape, axes: _param(rngs, init, shape, axes, param_dtype)
         self.q_kernel = p(_normal, (E, H, D), ("embed", "heads", "head_dim"))
@@ -219,7 +219,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         E, I = cfg.hidden_size, cfg.intermediate_size
         self.gate_kernel = _param(rngs, _normal, (E, I), ("embed", "mlp"), param_dtype)
         self.up_kernel = _param(rngs, _normal, (E, I), ("embed", "mlp"), param_dtype)
@@ -235,7 +235,7 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.attn = Attention(cfg, **kw)
@@ -247,10 +247,10 @@ class DecoderLayer(nnx.Module):
         return x_BxTxE + self.mlp(self.post_attn_norm(x_BxTxE))
 
 
-class Qwen2(nnx.Module):
+class Decoder(nnx.Module):
     """Qwen2 causal LM. Holds only `nnx.Param`s, so `nnx.split(model)` yields (graphdef, params)."""
 
-    def __init__(self, cfg: Qwen2Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embedding = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size),
@@ -293,21 +293,21 @@ def forward(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None, segm
     return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, segment_ids_BxT)
 
 
-def init_model(cfg: Qwen2Config, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32):
+def init_model(cfg: DecoderConfig, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32):
     """Randomly initialised model as (graphdef, params) with params a pure dict of jax arrays."""
-    model = Qwen2(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
 
 
-def abstract_model(cfg: Qwen2Config, *, dtype=jnp.float32, param_dtype=jnp.float32):
+def abstract_model(cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32):
     """(graphdef, abstract param state) without allocating; state leaves keep their metadata."""
-    model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
                                          param_dtype=param_dtype))
     return nnx.split(model)
 
 
-def logical_axes(cfg: Qwen2Config) -> dict:
+def logical_axes(cfg: DecoderConfig) -> dict:
     """Logical axis-name tuples in a pure dict shaped like `params`.
 
     Tuples are subtrees to JAX, so map with params first:
