@@ -27,11 +27,40 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     cfg = model_config(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1,
                                    max_position_embeddings=32),
-                       32, {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)})
+                       -(-tok.get_vocab_size() // 16) * 16,
+                       {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)})
     _, params = init_model(cfg, seed=0)
     out = tmp_path_factory.mktemp("models") / "tiny"
     save_pretrained(out, cfg, params, tokenizer_dir=tok_dir)
     return out
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(tmp_path_factory) -> Path:
+    """A Qwen-style byte-level BPE tokenizer with a ChatML chat template (no hub)."""
+    from fnrl.models.synthetic import build_bpe_tokenizer
+
+    return build_bpe_tokenizer(tmp_path_factory.mktemp("bpe-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def synthetic_model_dir(tmp_path_factory, bpe_tokenizer_dir):
+    """Factory `make(family="qwen2", **write_checkpoint_kwargs) -> Path`: a small random
+    checkpoint of a family ("qwen2", "qwen3", "llama") with the BPE tokenizer and a
+    generation_config.json; one per distinct call per session."""
+    from fnrl.models.synthetic import write_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def make(family: str = "qwen2", **kwargs) -> Path:
+        key = json.dumps([family, kwargs], sort_keys=True, default=str)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"synthetic-{family}") / "model"
+            made[key] = write_checkpoint(out, family, **{"seed": 0, **kwargs},
+                                         tokenizer_dir=bpe_tokenizer_dir)
+        return made[key]
+
+    return make
 
 
 @pytest.fixture

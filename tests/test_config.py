@@ -34,10 +34,13 @@ def test_head_size_vllm_cannot_serve_is_rejected_up_front():
 
 def test_missing_model_files_are_named(tmp_path, capsys):
     from fnrl.experiments.math_grpo import main
-    (tmp_path / "config.json").write_text("{}")
-    assert main(["--model.model-dir", str(tmp_path), "--run-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert "lacks model.safetensors, tokenizer.json" in err
+    model = tmp_path / "model"
+    model.mkdir()
+    assert main(["--model.model-dir", str(model), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    (model / "config.json").write_text("{}")
+    assert main(["--model.model-dir", str(model), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "missing required keys" in capsys.readouterr().err
 
 
 def test_relay_flags_parse_and_survive_the_run_config_file(tmp_path):

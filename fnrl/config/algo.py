@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fnrl.config.base import check, finite, positive
@@ -40,9 +41,15 @@ class AlgoConfig:
     """
 
     group_size: int = 8
-    groups_per_step: int = 16
-    max_new_tokens: int = 8
+    groups_per_step: int = 8
+    max_new_tokens: int = 352          # the default task's longest worked solution + EOS
+    # Sampling. vLLM returns the log-probs of the distribution it sampled from (after
+    # temperature, top_k and top_p), and the trainer's π is softmax(logits / temperature).
+    # Unless a flag sets them, the model's generation_config.json values apply
+    # (`sampling_defaults`); the run's config.json holds the values used.
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                     # -1: off
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -87,6 +94,9 @@ class AlgoConfig:
         check(0 < self.clip_low < 1, name, "clip_low", self.clip_low, "must be in (0, 1)")
         check(self.clip_high > 0, name, "clip_high", self.clip_high, "must be > 0")
         check(self.temperature > 0, name, "temperature", self.temperature, "must be > 0")
+        check(0 < self.top_p <= 1, name, "top_p", self.top_p, "must be in (0, 1]")
+        check(self.top_k == -1 or self.top_k >= 1, name, "top_k", self.top_k,
+              "must be -1 (off) or >= 1")
         # JSON gives lists back; keep one hashable canonical form.
         object.__setattr__(self, "loss_terms", tuple((str(t), float(w)) for t, w in self.loss_terms))
         check(len(self.loss_terms) > 0, name, "loss_terms", self.loss_terms,
@@ -134,3 +144,21 @@ class AlgoConfig:
     def needs_reference(self) -> bool:
         """Whether the trainer must hold the frozen initial model."""
         return self.kl_coef > 0
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
+def sampling_defaults(generation_config: Mapping) -> dict[str, float | int]:
+    """The AlgoConfig sampling fields a model's generation_config.json sets, as keyword
+    arguments (`dataclasses.replace(algo, **...)`); HF's top_k=0 (off) becomes -1.
+    `do_sample`, penalties and max lengths are not taken: RL samples always, a penalty
+    would make vLLM's behaviour policy one the trainer cannot compute, and lengths are
+    the run's own (algo.max_new_tokens)."""
+    out: dict[str, float | int] = {}
+    for key in SAMPLING_FIELDS:
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        out[key] = (int(value) if int(value) > 0 else -1) if key == "top_k" else float(value)
+    return out

@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fnrl.config.algo import AlgoConfig
-from fnrl.config.base import check, positive
+from fnrl.config.base import check, finite, positive
 from fnrl.config.coord import CoordinatorConfig
 from fnrl.config.faults import FaultConfig
 from fnrl.config.relay import RelayConfig
+
+TRAIN_DTYPES = ("float32", "bfloat16")
+SERVE_DTYPES = ("float32", "bfloat16", "float16")
 
 # Head sizes vLLM's CPU attention backend accepts (vllm 0.32 cpu_attn.py); GPU backends
 # accept these too.
@@ -17,27 +20,69 @@ VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 @dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """The reward (fnrl.data.reward): 1 for a correct final answer, else 0, plus these
+    optional terms, each off by default."""
+
+    format_weight: float = 0.0
+    """Added when the response states its answer with a marker (`#### x` or `\\boxed{x}`),
+    right or wrong."""
+    number_fallback: bool = True
+    """A response without a marker is graded on its last number (False: it scores 0)."""
+    length_cost: float = 0.0
+    """Subtracted per response token. (DAPO's overlong penalty is algo.overlong_buffer.)"""
+
+    def __post_init__(self):
+        name = "RewardConfig"
+        for field_name in ("format_weight", "length_cost"):
+            value = getattr(self, field_name)
+            check(finite(value) and value >= 0, name, field_name, value,
+                  "must be a finite number >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """The prompts: the synthetic arithmetic task (fnrl.data.arith), or JSONL files
-    (fnrl.data.dataset) when `dataset` names one."""
+    """The prompts: the synthetic arithmetic task (fnrl.data.arith), or JSONL / Parquet
+    files (fnrl.data.dataset) when `dataset` names one; how a prompt becomes token ids
+    (fnrl.data.tokenizer) and how a response is graded (fnrl.data.answers, .reward)."""
 
     seed: int = 1234
     num_eval: int = 256
     min_level: int = 1
-    max_level: int = 4
+    max_level: int = 3
     dataset: str = ""
-    """JSONL of training rows; empty: the synthetic task."""
+    """A .jsonl or .parquet file of training rows; empty: the synthetic task."""
     eval_dataset: str = ""
-    """JSONL of eval rows; empty: num_eval rows of `dataset` are held out instead."""
+    """A .jsonl or .parquet file of eval rows; empty: num_eval rows of `dataset` are held
+    out instead."""
     prompt_key: str = "prompt"
+    """The row's prompt field; a dotted path reads a nested object ("extra.question")."""
     answer_key: str = "answer"
+    """The row's answer field (dotted like prompt_key, e.g. "reward_model.ground_truth")."""
+    answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = "auto"
+    """How the gold answer is read from the answer field: gsm8k: the text after its last
+    "####"; boxed: its last \\boxed{...}; raw: the whole field; auto: gsm8k if the field
+    has "####", else boxed if it has \\boxed, else raw."""
     on_bad_row: Literal["skip", "error"] = "skip"
     """skip: a malformed row is skipped and recorded in bad_rows.jsonl; error: stop."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: the tokenizer's chat template when it has one; none: BOS (if any) + the text."""
+    system_prompt: str = ""
+    """The chat's system message; empty: none (the template may insert its own default)."""
+    prompt_format: str = "{prompt}"
+    """The user message, "{prompt}" standing for the row's prompt (plain substitution, so
+    braces elsewhere are literal), e.g. "{prompt}\\nPlease reason step by step, and put
+    your final answer within \\boxed{}."."""
+    stop_tokens: tuple[str, ...] = ()
+    """Tokens that also end generation, beside the tokenizer's EOS and the eos ids of the
+    model's generation_config.json (e.g. "<|im_end|>" "<|endoftext|>")."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self):
         positive(self, "num_eval")
-        check(1 <= self.min_level <= self.max_level <= 5, "TaskConfig", "min_level..max_level",
-              (self.min_level, self.max_level), "need 1 <= min_level <= max_level <= 5")
+        check(1 <= self.min_level <= self.max_level <= 3, "TaskConfig", "min_level..max_level",
+              (self.min_level, self.max_level),
+              "need 1 <= min_level <= max_level <= 3 (1: a+b, 2: a-b, 3: a*d)")
         check(self.on_bad_row in ("skip", "error"), "TaskConfig", "on_bad_row", self.on_bad_row,
               "must be 'skip' or 'error'")
         check(not self.eval_dataset or self.dataset, "TaskConfig", "eval_dataset",
@@ -47,6 +92,15 @@ class TaskConfig:
                   "must name a field")
         check(self.prompt_key != self.answer_key, "TaskConfig", "answer_key", self.answer_key,
               "must differ from prompt_key")
+        check(self.answer_format in ("auto", "gsm8k", "boxed", "raw"), "TaskConfig",
+              "answer_format", self.answer_format, "must be auto, gsm8k, boxed or raw")
+        check(self.chat_template in ("auto", "none"), "TaskConfig", "chat_template",
+              self.chat_template, "must be 'auto' or 'none'")
+        check(self.prompt_format.count("{prompt}") == 1, "TaskConfig", "prompt_format",
+              self.prompt_format, "must contain '{prompt}' exactly once")
+        object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
+        check(all(isinstance(t, str) and t for t in self.stop_tokens), "TaskConfig",
+              "stop_tokens", self.stop_tokens, "must be non-empty token strings")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,33 +113,48 @@ class ModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 32
+    max_position_embeddings: int = 384
     seed: int = 0
+    max_seq_len: int = 0
+    """Longest sequence (prompt + response) the trainer compiles for and the servers are
+    started with; 0: the model's max_position_embeddings. Read it through `context_len`."""
 
     def __post_init__(self):
         positive(self, "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        check(self.max_seq_len >= 0, "ModelConfig", "max_seq_len", self.max_seq_len,
+              "must be >= 0 (0: the model's max_position_embeddings)")
         check(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig",
               "num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
         head_dim = self.hidden_size // self.num_attention_heads
         check(head_dim in VLLM_HEAD_SIZES, "ModelConfig", "hidden_size/num_attention_heads",
               head_dim, f"vLLM's attention kernels support head sizes {VLLM_HEAD_SIZES}")
 
+    def context_len(self, max_position_embeddings: int) -> int:
+        """The run's effective context: max_seq_len capped by the model's own
+        max_position_embeddings (config.json's, for `model_dir` models)."""
+        check(self.max_seq_len <= max_position_embeddings, "ModelConfig", "max_seq_len",
+              self.max_seq_len, f"exceeds the model's max_position_embeddings="
+              f"{max_position_embeddings}")
+        return self.max_seq_len or max_position_embeddings
+
 
 @dataclass(frozen=True, kw_only=True)
 class WarmStartConfig:
     """Short supervised phase that makes the embedded model sometimes right.
 
-    The demonstrations come from an imperfect teacher: a fraction `demo_error_rate` of
-    them end the right answer with a stray trailing "0" (a systematic habit, like the
-    formatting slips SFT data carries into real models). Greedy decoding inherits the
-    habit, while sampling still often stops at the right place, so the verifiable
-    reward has something to correct and the warm-started policy is sometimes right.
+    The demonstrations are worked solutions (fnrl.data.arith) from an imperfect teacher:
+    a fraction `demo_error_rate` of them end with an answer line carrying a stray
+    trailing "0" (a systematic habit, like the formatting slips SFT data carries into
+    real models). Greedy decoding inherits the habit, while sampling still often stops at
+    the right place, so the verifiable reward has something to correct and the
+    warm-started policy is sometimes right. A step trains on `batch_size` rows of the
+    model's length, each packed with whole demonstrations.
     """
 
-    steps: int = 450
-    batch_size: int = 64
-    learning_rate: float = 1e-3
+    steps: int = 400
+    batch_size: int = 16
+    learning_rate: float = 3e-3
     demo_error_rate: float = 0.6
     cache_dir: str = "~/.cache/fnrl/models"
 
@@ -124,6 +193,27 @@ class TrainerConfig:
     length_buckets: tuple[int, ...] = ()
     pack_rows: int = 0
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    logprob_chunk: int = 0
+    """Tokens whose vocabulary logits exist at once when computing log-probs and entropy
+    (rows x positions per chunk; fnrl.trainer.logprobs); 0: all of a micro-batch's at
+    once (B x T x V floats: 5 GB for 8 x 1,024 tokens of a 151,936-token vocabulary)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Master weights and Adam moments."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Activations and matmuls (log-probs are always accumulated in float32)."""
+    remat: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of
+    keeping them (about one layer's activations held instead of all of them)."""
+    cpu_threads: int = 0
+    """CPUs (and so XLA intra-op threads) the trainer process runs on; 0 = all allowed.
+    On a host shared with vLLM servers, fewer threads than cores avoids waiting on
+    descheduled pool threads (fnrl.trainer.xla_flags)."""
+    checkpoint_every: int = 1
+    """Save the TrainState every this many versions. Between saves every trained batch is
+    logged, so a restarted trainer replays them and comes back at the version it had
+    (fnrl.trainer.checkpoint)."""
+    checkpoint_keep: int = 2
+    """Finished checkpoints kept on disk (the oldest are deleted)."""
 
     def __post_init__(self):
         name = "TrainerConfig"
@@ -137,6 +227,14 @@ class TrainerConfig:
         check(self.pack_rows >= 0, name, "pack_rows", self.pack_rows, "must be >= 0")
         check(self.pack_rows % self.micro_batches == 0, name, "pack_rows", self.pack_rows,
               f"must be a multiple of micro_batches={self.micro_batches}")
+        check(self.logprob_chunk >= 0, name, "logprob_chunk", self.logprob_chunk,
+              "must be >= 0 (0: unchunked)")
+        for dtype_field in ("param_dtype", "compute_dtype"):
+            check(getattr(self, dtype_field) in TRAIN_DTYPES, name, dtype_field,
+                  getattr(self, dtype_field), f"must be one of {TRAIN_DTYPES}")
+        positive(self, "checkpoint_every", "checkpoint_keep")
+        check(self.cpu_threads >= 0, name, "cpu_threads", self.cpu_threads,
+              "must be >= 0 (0: every CPU the process may use)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,8 +269,13 @@ class RolloutConfig:
     len_sigma: float = 1.0
     """lognormal: σ of log-length; pareto: the shape α (smaller: heavier tail)."""
     len_max: int = 96
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """What the vLLM servers compute in (their --dtype); the trainer publishes weights in
+    it, so a bfloat16 server gets half the bytes through the relays."""
 
     def __post_init__(self):
+        check(self.dtype in SERVE_DTYPES, "RolloutConfig", "dtype", self.dtype,
+              f"must be one of {SERVE_DTYPES}")
         positive(self, "num_servers", "max_num_seqs", "groups_per_batch", "start_timeout_s",
                  "request_timeout_s", "len_median", "len_sigma", "len_max")
         check(0 <= self.kv_memory_fraction < 1, "RolloutConfig", "kv_memory_fraction",

@@ -79,11 +79,17 @@ class Services:
 class TaskIO:
     """The task as the loop uses it: prompts in, token ids to text, text to reward."""
 
+    def response_text(self, ids) -> str:
+        """The text graded: the response up to (without) its first stop token."""
+        ids = list(ids)
+        end = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.decode(ids[:end])
+
     prompts: object                   # fnrl.data.arith.PromptStream: take(n), skip(n)
     eval_set: tuple                   # held-out Problems
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    reward_fn: Callable[[str, str], float]
-    eos_id: int
+    reward_fn: Callable[[str, str, int], float]   # (response text, gold, response tokens)
+    stop_ids: tuple[int, ...]         # generation ends at any of these (EOS, <|im_end|>, ...)
     pad_id: int
     seq_len: int                      # the model's context: prompt + response ≤ seq_len

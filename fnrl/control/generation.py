@@ -176,7 +176,7 @@ class Generation:
             forced = t.target_len is not None
             stream = rollout.handle.generate_stream(
                 t.prompt_ids + streamed, max_tokens=budget, temperature=cfg.algo.temperature,
-                seed=None, stop_token_ids=() if forced else (self.task.eos_id,),
+                top_p=cfg.algo.top_p, top_k=cfg.algo.top_k, seed=None, stop_token_ids=() if forced else self.task.stop_ids,
                 ignore_eos=forced, request_id=f"{t.uid}#{t.placements}")
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
@@ -197,11 +197,13 @@ class Generation:
         self.reward_group(t.gid)
         self.svc.wake()
 
-    def reward(self, text: str, gold: str) -> float | None:
-        """The verifier's reward, or None (the trajectory is invalid, and counted) when it
-        raises or returns something non-finite: one bad answer never ends the job."""
+    def reward(self, ids, gold: str) -> float | None:
+        """The verifier's reward of a response's token ids, or None (the trajectory is
+        invalid, and counted) when it raises or returns something non-finite: one bad
+        answer never ends the job."""
+        text = self.task.response_text(ids)
         try:
-            return checked_reward(self.task.reward_fn(text, gold))
+            return checked_reward(self.task.reward_fn(text, gold, len(ids)))
         except Exception as err:  # noqa: BLE001 - any verifier failure marks the sample
             self.book.counts["reward_errors"] += 1
             if self.book.counts["reward_errors"] <= 3:
@@ -216,12 +218,10 @@ class Generation:
         if not all(m.finished for m in members) or rec.dropped or rec.group is not None:
             return
         trajs = []
-        eos = self.task.eos_id
         for m in members:
             item = self.pool.get(m.uid)
             ids = [tok for s in item.segments for tok in s.token_ids]
-            reward = self.reward(self.task.decode(ids[:ids.index(eos)] if eos in ids else ids),
-                                 rec.problem.answer)
+            reward = self.reward(ids, rec.problem.answer)
             self.book.invalid_trajectories += reward is None
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids, segments=item.segments,
                                     finish_reason=item.finish_reason, reward=reward))
@@ -271,9 +271,8 @@ class Generation:
         async def one(problem) -> tuple[int, float]:
             (c,) = await rollout.handle.generate(
                 task.encode(problem.prompt), n=1, max_tokens=self.cfg.algo.max_new_tokens,
-                temperature=0.0, seed=0, stop_token_ids=[task.eos_id])
-            reward = self.reward(task.decode([t for t in c.token_ids if t != task.eos_id]),
-                                 problem.answer)
+                temperature=0.0, seed=0, stop_token_ids=list(task.stop_ids))
+            reward = self.reward(c.token_ids, problem.answer)
             return problem.level, 0.0 if reward is None else reward
 
         try:

@@ -70,6 +70,10 @@ class TrainerHandle(Protocol):
     def exit_code(self) -> int | None:
         """The process's exit code, or None while it runs."""
 
+    def exit_reason(self) -> str | None:
+        """How the process ended, in words with the evidence ("was killed by the kernel's
+        out-of-memory killer (...)"), or None while it runs."""
+
     async def init(self) -> tuple[int, int | None]:
         """Builds (or restores) the train state and publishes it: (version, resumed_from)."""
 
@@ -93,17 +97,22 @@ class RolloutHandle(Protocol):
 
     def exit_code(self) -> int | None: ...
 
+    def exit_reason(self) -> str | None: ...
+
     async def kv_capacity_tokens(self) -> int: ...
 
     async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
                        temperature: float, seed: int | None = None,
-                       stop_token_ids: Sequence[int] = ()) -> list[Completion]: ...
+                       stop_token_ids: Sequence[int] = (), top_p: float = 1.0,
+                       top_k: int = -1) -> list[Completion]: ...
 
     def generate_stream(self, prompt_ids: Sequence[int], *, max_tokens: int,
                         temperature: float, seed: int | None = None,
                         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                        request_id: str | None = None) -> AsyncIterator[StreamChunk]:
-        """Streams the tokens and log-probs of one sample; closing it aborts the request."""
+                        request_id: str | None = None, top_p: float = 1.0,
+                        top_k: int = -1) -> AsyncIterator[StreamChunk]:
+        """Streams the tokens and log-probs of one sample (log μ: the distribution it
+        is sampled from, top_k and top_p applied); closing it aborts the request."""
 
     async def pull(self, relay_address: str, *, min_version: int = -1,
                    relay_timeout_s: float = 30.0) -> int:

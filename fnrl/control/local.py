@@ -15,6 +15,7 @@ from fnrl.control.handles import RelayEvent, TrainResult
 from fnrl.control.roles import Cluster
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import wait_ready
+from fnrl.shell import procs
 from fnrl.shell.wire import RoleClient, RoleError
 
 EventSink = Callable[..., None]   # (event, **fields): written to the run's faults.jsonl
@@ -47,6 +48,9 @@ class LocalTrainer:
 
     def exit_code(self) -> int | None:
         return self.client.proc.poll()
+
+    def exit_reason(self) -> str | None:
+        return None if self.exit_code() is None else procs.exit_reason(self.client.proc)
 
     async def init(self) -> tuple[int, int | None]:
         reply = await self._call(self.client, {"cmd": "init"})
@@ -137,6 +141,9 @@ class HttpRollout:
 
     def exit_code(self) -> int | None:
         return self.cluster.role(self.name).proc.poll()
+
+    def exit_reason(self) -> str | None:
+        return None if self.exit_code() is None else self.cluster.exit_reason(self.name)
 
     async def kv_capacity_tokens(self) -> int:
         return await self.client.kv_capacity_tokens()

@@ -46,8 +46,29 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def response_lengths(run_dir: Path) -> np.ndarray:
+    """The generated length (tokens, every segment) of each trained trajectory, from
+    trajectories.jsonl (one line per consumed group); empty if the run trained none."""
+    path = run_dir / "trajectories.jsonl"
+    if not path.exists():
+        return np.zeros(0, np.int64)
+    return np.array([sum(n for _, n in t["segments"]) for group in read_metrics(path)
+                     for t in group["trajectories"]], np.int64)
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, float]:
+    """Median, p99, their ratio (the tail's weight) and mean of response lengths."""
+    if lengths.size == 0:
+        return {}
+    median, p99 = float(np.median(lengths)), float(np.percentile(lengths, 99))
+    return {"response_len_median": median, "response_len_p99": p99,
+            "response_len_p99_over_median": p99 / max(median, 1.0),
+            "response_len_mean": float(lengths.mean()), "responses": int(lengths.size)}
+
+
 def plot_run(run_dir: Path) -> Path:
-    """Reward, held-out accuracy and staleness plots from metrics.jsonl into curves.png."""
+    """Reward, held-out accuracy, staleness and response-length plots from metrics.jsonl
+    and trajectories.jsonl into curves.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +78,7 @@ def plot_run(run_dir: Path) -> Path:
     # (A step trained while no controller ran has a record without the step's metrics.)
     train = [r for r in records if r["kind"] == "train" and "reward_mean" in r]
     evals = [r for r in records if r["kind"] == "eval"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     if train:
         axes[0].plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=1)
     axes[0].set(title="training reward (batch mean)", xlabel="step", ylabel="reward")
@@ -72,6 +93,17 @@ def plot_run(run_dir: Path) -> Path:
     axes[2].bar(np.arange(len(hist)), hist)
     axes[2].set(title="staleness of trained tokens", xlabel="trainer version − token version",
                 ylabel="tokens")
+    lengths = response_lengths(run_dir)
+    stats = length_stats(lengths)
+    if stats:
+        axes[3].hist(lengths, bins=min(60, max(1, int(lengths.max()))), color="tab:gray")
+        for key, style in (("response_len_median", "-"), ("response_len_p99", "--")):
+            axes[3].axvline(stats[key], color="tab:red", ls=style,
+                            label=f"{key.rsplit('_', 1)[1]} {stats[key]:.0f}")
+        axes[3].legend(fontsize=8)
+    axes[3].set(title="response lengths"
+                + (f" (p99/median {stats['response_len_p99_over_median']:.1f})" if stats else ""),
+                xlabel="generated tokens per trained trajectory", ylabel="trajectories")
     fig.tight_layout()
     out = run_dir / "curves.png"
     fig.savefig(out, dpi=100)

@@ -30,10 +30,12 @@ class ConsumedLog:
         self._f = open(path, "a", buffering=1)
 
     def log(self, name: str, version: int, trajectories, **extra) -> None:
+        # The exact prompt ids each trajectory was generated from (chat template, system
+        # prompt and all), so what a group trained on can be inspected and re-tokenised.
         self._f.write(json.dumps({
             "group": name, "consumed_version": version, **extra,
-            "trajectories": [{"uid": tr.uid, "segments": [[s.version, len(s.token_ids)]
-                                                          for s in tr.segments]}
+            "trajectories": [{"uid": tr.uid, "prompt_ids": list(tr.prompt_ids),
+                              "segments": [[s.version, len(s.token_ids)] for s in tr.segments]}
                              for tr in trajectories]}) + "\n")
         for tr in trajectories:
             self.pool.drop(tr.uid)

@@ -5,7 +5,15 @@ session (a SIGINT to the controller's terminal does not reach it; the controller
 roles in order), and killed by the kernel if the controller dies (PR_SET_PDEATHSIG), so
 a crashed controller never leaves roles behind. The trainer and the rollouts are
 watched by the supervisor (fnrl.control.supervisor), which restarts them; `check`
-raises a RoleError naming any other role that exited, with the tail of its log.
+raises a RoleError naming any other role that exited, with how it ended (the kernel's
+out-of-memory killer named when the evidence says so) and the tail of its log.
+
+Stopping: `Cluster.stop_on_signals()` makes SIGINT, SIGTERM and SIGHUP stop every role at
+once, from the signal handler, and then raise `Stopped`. Stopping first matters: the
+controller's threads block on roles (a trainer call, a server's start) and asyncio waits
+for them before it unwinds, so a Ctrl-C during a vLLM start used to wait for the whole
+start (59 s measured with the 2-layer model, minutes with a real one) and invited more
+Ctrl-Cs that cut the stop itself short.
 """
 
 from __future__ import annotations
@@ -16,10 +24,14 @@ import signal
 import subprocess
 import sys
 import dataclasses
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fnrl.config import RelayConfig
+from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.launch import relay_argv, remove_segments, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
 from fnrl.serving.server import ServerSpec, launch_server, wait_ready
@@ -28,6 +40,18 @@ from fnrl.shell.files import log_tail, write_atomic
 from fnrl.shell.net import free_port
 from fnrl.shell.procs import reap_leftovers
 from fnrl.shell.wire import RoleError
+
+
+class Stopped(KeyboardInterrupt):
+    """The job got a stop signal (SIGINT, SIGTERM or SIGHUP) and its roles are stopped.
+    A KeyboardInterrupt, so asyncio and `except Exception` blocks let it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -39,6 +63,10 @@ class RoleProcess:
 
 
 SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal here
+SERVER_GRACE_S = 3.0
+"""SIGTERM to SIGKILL for a vLLM server (see `Cluster.stop`)."""
+SAMPLE_S = 1.0
+"""How often each live role's OOM evidence is refreshed (peak RSS, OOM-kill counts)."""
 
 
 def _spawn(name: str, argv: list[str], log_path: Path, address: str,
@@ -63,9 +91,27 @@ class Cluster:
             if name.startswith("relay") and not procs.alive(int(info["pid"])):
                 remove_segments(name, int(info["pid"]))
         self.roles: list[RoleProcess] = []
+        self._relays_started: list[tuple[str, int]] = []   # (name, pid): segment owners
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None
         self._server_specs: dict[int, ServerSpec] = {}
+        self._stopping = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_roles, name="role-sampler",
+                                         daemon=True)
+        self._sampler.start()
+
+    def _sample_roles(self) -> None:
+        # A role the kernel kills for memory is told apart from one killed from outside
+        # by the OOM-kill counts read last while it was alive (fnrl.shell.exits).
+        while not self._stopping.wait(SAMPLE_S):
+            for role in list(self.roles):
+                procs.sample(role.proc)
+
+    def exit_reason(self, name: str) -> str:
+        """How role `name` ended, with the evidence: "exited with code 1", "was killed by
+        the kernel's out-of-memory killer (...)", "was killed by SIGKILL from outside
+        fnrl (...)", "was killed by fnrl with SIGKILL (code -9)"."""
+        return procs.exit_reason(self.role(name).proc)
 
     def _add(self, role: RoleProcess) -> RoleProcess:
         """Registers a role (replacing one of the same name) and records every pid in
@@ -82,6 +128,7 @@ class Cluster:
         # shared-memory segments on the way out.
         role = _spawn(name, relay_argv(address, name, cfg),
                       self.run_dir / "logs" / f"{name}.log", address, death_signal=signal.SIGTERM)
+        self._relays_started.append((name, role.proc.pid))
         return self._add(role)
 
     def start_relays(self, cfg: RelayConfig, timeout_s: float = 60.0) -> RelayTier:
@@ -101,6 +148,47 @@ class Cluster:
         self.relay_tier.configure()
         self.relay_tier.start_monitor()
         return self.relay_tier
+
+    def wait_tier_holds(self, version: int, timeout_s: float) -> None:
+        """Block until every relay in the chain serves `version` (the trainer's first, so
+        each rollout finds it at its own relay). Asks in short waits, so a stop (or a
+        relay that died) ends it at once rather than after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for address in self.relay_tier.addresses:
+            with RelayClient(address, timeout_s=1.0) as relay:
+                while True:
+                    if self._stopping.is_set():
+                        raise RoleError("the job is stopping")
+                    try:
+                        relay.wait_version(version, timeout_s=1.0)
+                        break
+                    except RelayError as err:
+                        if time.monotonic() > deadline:
+                            raise RoleError(f"relay {address} never received version "
+                                            f"{version}: {err}") from err
+
+    def stop_on_signals(self, signals=STOP_SIGNALS) -> Callable[[], None]:
+        """From now on the first SIGINT, SIGTERM or SIGHUP stops every role at once (from
+        the signal handler, in the main thread; threads blocked on a role then see it
+        exit) and raises `Stopped`; signals while stopping are ignored, so a second
+        Ctrl-C cannot cut the stop short. Returns the function that puts the previous
+        handlers back. Call it from the main thread."""
+        def handler(signum, frame):
+            if self._stopping.is_set():
+                return
+            # os.write: print could re-enter a write the signal interrupted.
+            os.write(2, f"fnrl: {signal.Signals(signum).name}: stopping every role\n".encode())
+            self.stop()
+            raise Stopped(signum)
+
+        # A signal ignored already stays ignored (SIGHUP under nohup).
+        previous = {s: signal.signal(s, handler) for s in signals
+                    if signal.getsignal(s) is not signal.SIG_IGN}
+
+        def restore() -> None:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return restore
 
     def role(self, name: str) -> RoleProcess:
         return next(r for r in self.roles if r.name == name)
@@ -174,18 +262,29 @@ class Cluster:
                     for n in tier.plan.order if n != role.name):
                 continue  # the tier's monitor splices a dead relay out; survivors carry on
             if code is not None:
-                raise RoleError(f"{role.name} exited with code {code}{log_tail(str(role.log_path))}")
+                raise RoleError(f"{role.name} {procs.exit_reason(role.proc)}"
+                                f"{log_tail(str(role.log_path))}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every role, then SIGKILL what is left after the grace period. The
         relay tier stops its own relays (a stopped or killed one's shared-memory
         segments are unlinked too)."""
+        self._stopping.set()
         if self.relay_tier is not None:
             self.relay_tier.stop(grace_s)
             relays = set(self.relay_tier.members)
             self.roles = [r for r in self.roles if r.name not in relays]
-        procs.stop_all([r.proc for r in self.roles], grace_s)
+        # vLLM stops its engine at once on SIGTERM, then its HTTP server waits for open
+        # connections (a stop from a signal handler finds the job's streams open).
+        procs.stop_all([r.proc for r in self.roles],
+                       [min(grace_s, SERVER_GRACE_S) if r.name.startswith("rollout") else grace_s
+                        for r in self.roles])
         self.roles.clear()
+        # A relay SIGKILLed after the grace period (or stopped before the tier existed)
+        # could not unlink its segments.
+        for name, pid in self._relays_started:
+            if not procs.alive(pid):
+                remove_segments(name, pid)
 
 
 def read_roles(path: Path) -> dict:

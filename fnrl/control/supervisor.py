@@ -153,7 +153,8 @@ class Supervisor:
         handles = {"trainer": self.roles.trainer, **{r.name: r for r in self.roles.rollouts}}
         return tuple(F.RoleHealth(
             name, "trainer" if name == "trainer" else "rollout",
-            exit_code=None if w.restarting else handles[name].exit_code(), error=w.error,
+            exit_code=None if w.restarting else handles[name].exit_code(),
+            exit_reason=None if w.restarting else handles[name].exit_reason(), error=w.error,
             busy_since_s=w.busy_since_s, last_progress_s=w.last_progress_s,
             last_heartbeat_s=w.last_heartbeat_s, restarting=w.restarting)
             for name, w in self.watches.items())

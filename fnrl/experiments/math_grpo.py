@@ -21,9 +21,11 @@ A role that dies ends the job with that role's error.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,32 +33,29 @@ from pathlib import Path
 
 import aiohttp
 import tyro
-from tokenizers import Tokenizer
 
 from fnrl.config import RunConfig, save_json
+from fnrl.config.algo import sampling_defaults
 from fnrl.control.book import TaskIO
 from fnrl.control.handles import Roles
 from fnrl.control.local import HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
+from fnrl.control.memory import check_plan, plan_memory
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.report import across_attempts
-from fnrl.control.roles import Cluster
+from fnrl.control.roles import Cluster, Stopped
 from fnrl.control.supervisor import JobRestart
-from fnrl.data.arith import BOS, EOS, PAD
 from fnrl.data.dataset import load_task
-from fnrl.data.reward import math_reward
+from fnrl.data.reward import make_reward
+from fnrl.data.tokenizer import ChatTokenizer
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.experiments.warm_start import ensure_default_model
+from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
 from fnrl.policy.faults import check_injections, parse_injection
-from fnrl.relay.client import RelayClient, RelayError
-from fnrl.relay.tier import RelayTier
-from fnrl.serving.server import ServerSpec, check_memory
+from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
 from fnrl.shell.net import free_port
 from fnrl.shell.wire import RoleError
-
-REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
 
 def code_version() -> dict:
     root = Path(__file__).resolve().parents[2]
@@ -76,9 +75,10 @@ def resolve_model_dir(cfg: RunConfig) -> Path:
     if not cfg.model.model_dir:
         return ensure_default_model(cfg.model, cfg.task, cfg.warm_start)
     model_dir = Path(cfg.model.model_dir).expanduser()
-    missing = [f for f in REQUIRED_MODEL_FILES if not (model_dir / f).exists()]
-    if missing:
-        raise FileNotFoundError(f"model.model_dir={str(model_dir)!r} lacks {', '.join(missing)}")
+    try:   # config, tokenizer and every weights file (single or sharded with its index)
+        check_model_dir(model_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise type(err)(f"model.model_dir={str(model_dir)!r}: {err}") from None
     return model_dir
 
 
@@ -103,19 +103,7 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def wait_tier_holds(tier: RelayTier, version: int, timeout_s: float) -> None:
-    """Block until every relay in the chain serves `version` (the trainer's first, so each
-    rollout finds it at its own relay)."""
-    for address in tier.addresses:
-        with RelayClient(address, timeout_s=10.0) as relay:
-            try:
-                relay.wait_version(version, timeout_s=timeout_s)
-            except RelayError as err:
-                raise RoleError(f"relay {address} never received version {version}: {err}") \
-                    from err
-
-
-async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, model_dir: Path) -> dict:
+async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO) -> dict:
     """One attempt: the trainer restores and publishes, the servers come up, the
     controller runs over handles to the roles, and the trainer shuts down."""
     trainer = LocalTrainer(cluster, timeout_s=cfg.trainer_timeout_s,
@@ -125,12 +113,11 @@ async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, model_dir: P
     print(f"trainer ready at version {version}"
           + (f" (resumed from step {resumed_from})" if resumed_from else "")
           + f" in {time.perf_counter() - t0:.1f}s", flush=True)
-    await asyncio.to_thread(wait_tier_holds, cluster.relay_tier, version, 120.0)
+    await asyncio.to_thread(cluster.wait_tier_holds, version, 120.0)
     t0 = time.perf_counter()
     await asyncio.to_thread(cluster.wait_servers_ready, cfg.rollout.start_timeout_s)
     print(f"{cfg.rollout.num_servers} vLLM server(s) ready in {time.perf_counter() - t0:.0f}s",
           flush=True)
-    task = load_task_io(cfg, model_dir, run_dir)
     # Idle connections close on our side before uvicorn's 5 s keep-alive closes them on
     # the server's, so a request never goes out on a socket the server is closing.
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
@@ -159,18 +146,44 @@ async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, model_dir: P
             writer.close()
 
 
+def context_len(cfg: RunConfig, model_dir: Path) -> int:
+    """Prompt + response tokens the run allows: `model.max_seq_len` within the model's
+    max_position_embeddings (the servers' max_model_len and the trainer's longest row)."""
+    return cfg.model.context_len(read_config(model_dir).max_position_embeddings)
+
+
 def load_task_io(cfg: RunConfig, model_dir: Path, run_dir: Path) -> TaskIO:
-    """The task's prompts, held-out set, tokenizer and reward, as the loop uses them."""
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    bos, eos, pad = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
-    encode = lambda s: [bos] + tok.encode(s, add_special_tokens=False).ids  # noqa: E731
-    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-    # A prompt must leave vLLM room for max_new_tokens within the model's length.
-    prompts, eval_set = load_task(cfg.task, seed=cfg.seed, prompt_tokens=lambda s: len(encode(s)),
+    """The task's prompts, held-out set, tokenizer and reward, as the loop uses them.
+
+    Prompts go out as the chat template renders them (fnrl.data.tokenizer: system
+    prompt, instruction format, generation prompt); generation stops at any of the
+    tokenizer's and the model's stop ids. Every row is read and checked here, before
+    any role starts."""
+    tok = ChatTokenizer.for_task(model_dir, cfg.task)
+    max_len = context_len(cfg, model_dir)
+    # A prompt must leave vLLM room for max_new_tokens within the run's context.
+    if cfg.algo.max_new_tokens >= max_len:
+        raise ValueError(f"algo.max_new_tokens={cfg.algo.max_new_tokens} leaves no room for a "
+                         f"prompt in the run's {max_len}-token context (model.max_seq_len, or "
+                         f"the model's max_position_embeddings)")
+    prompts, eval_set = load_task(cfg.task, seed=cfg.seed,
+                                  prompt_tokens=lambda s: len(tok.encode_prompt(s)),
                                   prompt_budget=max_len - cfg.algo.max_new_tokens, run_dir=run_dir)
-    return TaskIO(prompts=prompts, eval_set=tuple(eval_set), encode=encode,
-                  decode=lambda ids: tok.decode(ids), reward_fn=math_reward, eos_id=eos,
-                  pad_id=pad, seq_len=max_len)
+    return TaskIO(prompts=prompts, eval_set=tuple(eval_set), encode=tok.encode_prompt,
+                  decode=tok.decode, reward_fn=make_reward(cfg.task.reward),
+                  stop_ids=tok.stop_ids, pad_id=tok.pad_id, seq_len=max_len)
+
+
+def check_memory_plan(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
+    """Prints (and writes to memory_plan.txt) what every role will take, and raises a
+    ValueError naming every figure, before any role starts, when the host cannot hold it."""
+    host = read_host_memory()
+    plan = plan_memory(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir),
+                       kv_in_host=kv_in_host_memory(), node_total_bytes=host.node_total_bytes)
+    table = plan.table()
+    (run_dir / "memory_plan.txt").write_text(table + "\n")
+    print(table, flush=True)
+    check_plan(plan, host.available_bytes)
 
 
 def role_names(cfg: RunConfig) -> tuple[str, ...]:
@@ -190,10 +203,17 @@ def run(cfg: RunConfig) -> dict:
     run_dir = prepare_run_dir(cfg)
     if cost_path is not None:  # the fitted model with its measurements, beside the run
         shutil.copyfile(cost_path, run_dir / COST_FILE_NAME)
+    # Data are read and validated before any role starts: a missing file or a bad row
+    # under task.on_bad_row=error costs seconds, not a cluster start.
+    task = load_task_io(cfg, model_dir, run_dir)
+    check_memory_plan(cfg, model_dir, run_dir)
     restarts = 0
     while True:
         try:
-            summary = _run_once(cfg, model_dir, run_dir)
+            # Each attempt reads the prompt stream from its start; recovery skips what the
+            # journal says was taken.
+            summary = _run_once(cfg, model_dir, run_dir,
+                                dataclasses.replace(task, prompts=copy.deepcopy(task.prompts)))
             break
         except JobRestart as err:
             restarts += 1
@@ -209,24 +229,27 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
-def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path) -> dict:
+def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> dict:
     """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
     cluster = Cluster(run_dir)
+    # SIGINT, SIGTERM, SIGHUP: every role stops at once, then Stopped unwinds the job.
+    restore_signals = cluster.stop_on_signals()
     try:
-        max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        max_len = context_len(cfg, model_dir)
         specs = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
                             max_num_seqs=cfg.rollout.max_num_seqs,
-                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid)
+                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
+                            dtype=cfg.rollout.dtype)
                  for rid in range(cfg.rollout.num_servers)]
-        check_memory(specs)   # every server together, before any starts (ValueError: figures)
         for rid, spec in enumerate(specs):
             cluster.start_server(rid, spec)
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(cfg.relay)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
-        return asyncio.run(_attempt(cfg, run_dir, cluster, model_dir))
+        return asyncio.run(_attempt(cfg, run_dir, cluster, task))
     finally:
         cluster.stop()
+        restore_signals()
 
 
 def _preset_name(argv: list[str]) -> str:
@@ -239,9 +262,19 @@ def _preset_name(argv: list[str]) -> str:
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
-    """The preset's config (`--preset`, default fnrl) with every other flag applied."""
+    """The preset's config (`--preset`, default fnrl), then the sampling values of the
+    model's generation_config.json (temperature, top_p, top_k), then every flag: a flag
+    wins over the model's file, the file over fnrl's defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
     default = apply_preset(_preset_name(argv))
+    cfg = tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
+    generation = read_generation_config(cfg.model.model_dir) if cfg.model.model_dir else None
+    model_sampling = sampling_defaults(generation or {})
+    if not model_sampling:
+        return cfg
+    # Parsed again over defaults holding the model's values, so only flags override them.
+    default = dataclasses.replace(default, algo=dataclasses.replace(default.algo,
+                                                                    **model_sampling))
     return tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
 
 
@@ -255,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:  # bad input: say what, no traceback
         print(f"fnrl: {err}", file=sys.stderr)
         return 2
+    except Stopped as stop:   # roles already stopped by the handler (Cluster.stop_on_signals)
+        print(f"fnrl: stopped by {stop}; every role is stopped, and the same --run-dir "
+              "resumes the run", file=sys.stderr)
+        return 128 + stop.signum
+    except KeyboardInterrupt:   # before any role started
+        print("fnrl: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     evals = [json.loads(l) for l in open(Path(summary["run_dir"]) / "metrics.jsonl")
              if '"kind": "eval"' in l]
     if evals:

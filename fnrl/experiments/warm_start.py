@@ -3,10 +3,15 @@
 Built on first use and cached under `warm_start.cache_dir` in a directory named by a
 hash of everything that shapes it, so RL starts from a policy that is sometimes right
 and every later run (and the test suite) reuses it.
+
+The supervised phase shows worked solutions of the reasoning task (fnrl.data.arith)
+from an imperfect teacher, packed whole into rows of the model's length so a step
+costs the same whatever the mix of short and long demonstrations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,13 +28,12 @@ from tqdm import tqdm
 
 from fnrl.config import ModelConfig, TaskConfig, WarmStartConfig, to_dict
 from fnrl.data.arith import (BOS, EOS, PAD, PromptStream, build_tokenizer, eval_problems,
-                             save_tokenizer)
-from fnrl.data.reward import math_reward
-from fnrl.models.hf_io import save_pretrained
+                             save_tokenizer, solution)
 from fnrl.models.decoder import DecoderConfig, forward, init_model
-from fnrl.trainer.step import init_state, pack_sequences, sft_step
+from fnrl.models.hf_io import save_pretrained
+from fnrl.trainer.step import TrainState, init_state, token_logprobs
 
-_RECIPE_VERSION = 2  # bump when the recipe below changes what gets built
+_RECIPE_VERSION = 3  # bump when the recipe below changes what gets built
 
 
 def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> DecoderConfig:
@@ -48,41 +52,101 @@ def default_model_dir(model: ModelConfig, task: TaskConfig, warm: WarmStartConfi
     recipe = {"v": _RECIPE_VERSION, "model": to_dict(model), "task": synthetic,
               "warm_start": {k: v for k, v in to_dict(warm).items() if k != "cache_dir"}}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(warm.cache_dir).expanduser() / f"tiny-qwen2-math-{digest}"
+    return Path(warm.cache_dir).expanduser() / f"tiny-qwen2-arith-{digest}"
 
 
 def encode_prompt(tok, prompt: str) -> list[int]:
     return [tok.token_to_id(BOS)] + tok.encode(prompt, add_special_tokens=False).ids
 
 
-def greedy_accuracy(graphdef, params, tok, problems, max_new_tokens: int) -> float:
-    """Greedy decoding in JAX without a KV cache: fine for a tiny model and short answers."""
+def greedy_solves(argmax_fn, tok, problems, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Whether greedy decoding would write each problem's correct worked solution: one
+    teacher-forced pass, checking the argmax at every response position (greedy follows
+    the solution exactly when each of its tokens is the argmax there). `argmax_fn` maps
+    tokens 32×width to the model's argmax next tokens (`model_argmax`).
+
+    Returns (solved, answered): `solved` includes the EOS after the answer line,
+    `answered` stops at the answer's last digit (right up to the teacher's slip)."""
     eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
-    prompts = [encode_prompt(tok, p.prompt) for p in problems]
-    width = max(map(len, prompts)) + max_new_tokens
-    tokens = np.full((len(prompts), width), pad, np.int32)
-    lens = np.array([len(p) for p in prompts])
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    step = jax.jit(lambda params, toks: jnp.argmax(forward(graphdef, params, toks), axis=-1))
-    done = np.zeros(len(prompts), bool)
-    for k in range(max_new_tokens):
-        nxt = np.asarray(step(params, jnp.asarray(tokens)))[np.arange(len(prompts)), lens + k - 1]
-        nxt = np.where(done, pad, nxt)
-        tokens[np.arange(len(prompts)), lens + k] = nxt
-        done |= nxt == eos
-    correct = []
-    for i, p in enumerate(problems):
-        gen = tokens[i, lens[i]:]
-        gen = gen[: np.argmax(gen == eos)] if (gen == eos).any() else gen
-        out = [int(t) for t in gen if t != pad]
-        correct.append(math_reward(tok.decode(out), p.answer))
-    return float(np.mean(correct))
+    seqs = [(encode_prompt(tok, p.prompt), tok.encode(solution(p.prompt),
+                                                      add_special_tokens=False).ids + [eos])
+            for p in problems]
+    solved, answered = [], []
+    for lo in range(0, len(seqs), 32):   # 32 rows at a time: one compiled shape
+        chunk = seqs[lo:lo + 32]
+        input_BxT = np.full((32, width), pad, np.int32)
+        fits = [len(prompt) + len(response) - 1 <= width for prompt, response in chunk]
+        for i, (prompt, response) in enumerate(chunk):
+            if fits[i]:
+                input_BxT[i, :len(prompt) + len(response) - 1] = (prompt + response)[:-1]
+        argmax_BxT = np.asarray(argmax_fn(input_BxT))
+        for i, (prompt, response) in enumerate(chunk):
+            # A solution longer than the model's context is one it cannot write.
+            hit = (argmax_BxT[i, len(prompt) - 1:len(prompt) - 1 + len(response)] == response
+                   if fits[i] else np.zeros(len(response), bool))
+            solved.append(bool(hit.all()))
+            answered.append(bool(hit[:-1].all()))
+    return np.array(solved), np.array(answered)
 
 
-def demonstration(answer: str, teacher: random.Random, error_rate: float) -> str:
-    """What the imperfect teacher writes: the answer, with a stray "0" at `error_rate`."""
-    return answer + "0" if teacher.random() < error_rate else answer
+def model_argmax(graphdef, params):
+    """The model's greedy next token at every position, jitted once."""
+    step = jax.jit(lambda params, tokens_BxT: jnp.argmax(forward(graphdef, params, tokens_BxT),
+                                                         axis=-1))
+    return lambda tokens_BxT: step(params, tokens_BxT)
+
+
+def demonstration(prompt: str, teacher: random.Random, error_rate: float) -> str:
+    """What the imperfect teacher writes: the worked solution, whose answer line has a
+    stray trailing "0" at `error_rate` (fnrl.data.arith.solution)."""
+    return solution(prompt, slip=teacher.random() < error_rate)
+
+
+def pack_rows(sequences: list[tuple[list[int], list[int]]], rows: int, width: int, pad_id: int
+              ) -> tuple[dict[str, np.ndarray], int]:
+    """Packs (prompt, response) sequences whole, in order, into `rows` rows of `width`
+    next-token positions; returns the arrays (with positions and segment ids, so a
+    sequence attends only to itself) and how many sequences went in."""
+    input_BxT = np.full((rows, width), pad_id, np.int32)
+    target_BxT = np.full((rows, width), pad_id, np.int32)
+    mask_BxT = np.zeros((rows, width), np.float32)
+    positions_BxT = np.zeros((rows, width), np.int32)
+    segments_BxT = np.zeros((rows, width), np.int32)   # 0: padding
+    row, col, used = 0, 0, 0
+    for prompt, response in sequences:
+        seq = prompt + response
+        n = len(seq) - 1   # next-token positions this sequence fills
+        if n > width:
+            raise ValueError(f"a demonstration of {len(seq)} tokens exceeds the model's "
+                             f"{width} (model.max_position_embeddings)")
+        if col + n > width:
+            row, col = row + 1, 0
+            if row == rows:
+                break
+        input_BxT[row, col:col + n] = seq[:-1]
+        target_BxT[row, col:col + n] = seq[1:]
+        mask_BxT[row, col + len(prompt) - 1:col + n] = 1.0
+        positions_BxT[row, col:col + n] = np.arange(n)
+        segments_BxT[row, col:col + n] = used + 1
+        col, used = col + n, used + 1
+    return {"input_BxT": input_BxT, "target_BxT": target_BxT, "mask_BxT": mask_BxT,
+            "positions_BxT": positions_BxT, "segment_ids_BxT": segments_BxT}, used
+
+
+def sft_packed_step(state: TrainState, batch, *, graphdef, optimizer) -> tuple[TrainState, dict]:
+    """Supervised next-token step on packed rows (mean over the masked targets)."""
+
+    def objective(params):
+        logp_BxT = token_logprobs(graphdef, params, batch["input_BxT"], batch["target_BxT"],
+                                  batch["positions_BxT"], batch["segment_ids_BxT"])
+        mask_BxT = batch["mask_BxT"]
+        return -jnp.sum(logp_BxT * mask_BxT) / jnp.maximum(mask_BxT.sum(), 1.0)
+
+    loss, grads = jax.value_and_grad(objective)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return dataclasses.replace(state, step=state.step + 1, params=params,
+                               opt_state=opt_state), {"loss": loss}
 
 
 def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartConfig,
@@ -93,33 +157,43 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
     vocab = -(-tok.get_vocab_size() // 16) * 16  # round up: friendlier shapes, same tokens
     cfg = model_config(model, vocab, ids)
     graphdef, params = init_model(cfg, model.seed)
-    optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, warm.learning_rate, max(1, warm.steps // 10), warm.steps), weight_decay=0.01)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, warm.learning_rate, max(1, warm.steps // 10),
+                                           warm.steps), weight_decay=0.01))
     state = init_state(params, optimizer)
-    step = jax.jit(functools.partial(sft_step, graphdef=graphdef, optimizer=optimizer),
+    step = jax.jit(functools.partial(sft_packed_step, graphdef=graphdef, optimizer=optimizer),
                    donate_argnums=0)
     eval_set = eval_problems(task.seed, task.num_eval, task.min_level, task.max_level)
     stream = PromptStream(task.seed, task.min_level, task.max_level, stream="sft",
                           held_out=frozenset(p.prompt for p in eval_set))
-    seq_len = model.max_position_embeddings
+    width = model.max_position_embeddings
     t0 = time.perf_counter()
     teacher = random.Random(f"{model.seed}:teacher")
+    pending: list[tuple[list[int], list[int]]] = []
+    examples = skipped = 0
     for _ in tqdm(range(warm.steps), desc="warm start (SFT)", unit="step"):
-        batch = stream.take(warm.batch_size)
-        prompts = [tuple(encode_prompt(tok, p.prompt)) for p in batch]
-        answers = [tuple(tok.encode(demonstration(p.answer, teacher, warm.demo_error_rate),
-                                    add_special_tokens=False).ids) + (ids[EOS],) for p in batch]
-        # Pad to a multiple of 8, not the model's maximum: few shapes, little padding.
-        longest = max(len(p) + len(a) for p, a in zip(prompts, answers)) - 1
-        width = min(seq_len, -(-longest // 8) * 8)
-        state, metrics = step(state, pack_sequences(prompts, answers, width, ids[PAD]))
-    accuracy = greedy_accuracy(graphdef, state.params, tok, eval_set, max_new_tokens=6)
+        # Enough demonstrations to fill the rows; what does not fit waits for the next step.
+        while sum(len(p) + len(r) for p, r in pending) < warm.batch_size * width:
+            for p in stream.take(16):
+                text = demonstration(p.prompt, teacher, warm.demo_error_rate)
+                demo = (encode_prompt(tok, p.prompt),
+                        tok.encode(text, add_special_tokens=False).ids + [ids[EOS]])
+                # A model shorter than the longest solution (a test's) learns the rest.
+                if len(demo[0]) + len(demo[1]) - 1 <= width:
+                    pending.append(demo)
+                else:
+                    skipped += 1
+        arrays, used = pack_rows(pending, warm.batch_size, width, ids[PAD])
+        pending, examples = pending[used:], examples + used
+        state, metrics = step(state, arrays)
+    solved, answered = greedy_solves(model_argmax(graphdef, state.params), tok, eval_set, width)
     with tempfile.TemporaryDirectory() as tok_dir:
         save_tokenizer(tok, Path(tok_dir))
         save_pretrained(out_dir, cfg, jax.device_get(state.params), tokenizer_dir=tok_dir)
-    info = {"sft_loss": float(metrics["loss"]), "heldout_greedy_accuracy": accuracy,
-            "seconds": time.perf_counter() - t0, "params": int(sum(
-                x.size for x in jax.tree.leaves(state.params)))}
+    info = {"sft_loss": float(metrics["loss"]), "heldout_greedy_accuracy": float(solved.mean()),
+            "heldout_greedy_right_but_slip": float(answered.mean()),
+            "demonstrations": examples, "too_long_skipped": skipped, "seconds": time.perf_counter() - t0,
+            "params": int(sum(x.size for x in jax.tree.leaves(state.params)))}
     (out_dir / "warm_start.json").write_text(json.dumps(info, indent=2))
     return info
 
@@ -130,6 +204,8 @@ def ensure_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCo
     if not (out / "warm_start.json").exists():
         info = build_default_model(model, task, warm, out)
         print(f"warm start: {info['params']:,} parameters, held-out greedy accuracy "
-              f"{100 * info['heldout_greedy_accuracy']:.1f}% after {warm.steps} SFT steps "
+              f"{100 * info['heldout_greedy_accuracy']:.1f}% ({100 * info['heldout_greedy_right_but_slip']:.1f}% "
+              f"right up to the teacher's slip) after "
+              f"{warm.steps} SFT steps on {info['demonstrations']:,} demonstrations "
               f"({info['seconds']:.0f}s) -> {out}")
     return out

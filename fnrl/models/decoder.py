@@ -6,9 +6,11 @@ The module is a definition language only: build it once, split it with
 
     {'embedding': V×E,
      'layers': {i: {'input_norm': {'scale': E},
-                    'attn': {'q_kernel': E×H×D, 'q_bias': H×D,
+                    'attn': {'q_kernel': E×H×D, 'q_bias': H×D,     # biases: qwen2 only
                              'k_kernel': E×K×D, 'k_bias': K×D,
                              'v_kernel': E×K×D, 'v_bias': K×D,
+                             'q_norm': {'scale': D},               # q/k norms: qwen3 only
+                             'k_norm': {'scale': D},
                              'o_kernel': H×D×E},
                     'post_attn_norm': {'scale': E},
                     'mlp': {'gate_kernel': E×I, 'up_kernel': E×I, 'down_kernel': I×E}}},
@@ -17,127 +19,23 @@ The module is a definition language only: build it once, split it with
 
 Every parameter carries logical axis names as NNX `out_sharding` metadata;
 `logical_axes(cfg)` returns them as a pytree shaped like `params`.
+
+Dtypes: parameters are stored in `param_dtype` and cast to the compute `dtype` where
+they are used, so bfloat16 compute over float32 master weights needs no second copy.
+Norms, softmax and RoPE run in float32 whatever `dtype` is, and the vocab projection
+accumulates in float32.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-_REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads")
+from fnrl.models.families import FAMILIES, DecoderConfig, Llama3RopeScaling
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoderConfig:
-    """Architecture of a Qwen2 model; field names and defaults follow HF `config.json`."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
-    max_position_embeddings: int = 32768
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must be divisible by "
-                f"num_key_value_heads={self.num_key_value_heads}")
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size={self.hidden_size} must be divisible by "
-                    f"num_attention_heads={self.num_attention_heads} when head_dim is None")
-            # Resolved once so every consumer reads one int.
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or (
-                self.head_dim <= 0 or self.head_dim % 2):
-            raise ValueError(f"head_dim must be a positive even int (RoPE), got {self.head_dim!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            ids = value if isinstance(value, tuple) else (value,)
-            if value is not None and not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise ValueError(f"{name} must be None or a non-negative int, got {value!r}")
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
-        """Builds a config from an HF `config.json` dict; unknown keys are ignored."""
-        missing = [k for k in _REQUIRED_HF_KEYS if k not in hf]
-        if missing:
-            raise ValueError(f"HF config is missing required keys: {missing}")
-        if hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=True is not supported")
-        # transformers>=5 nests the theta in rope_parameters; older configs keep it top level.
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"only default RoPE is supported, got rope_parameters={rope!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in hf.items() if k in fields}
-        kwargs["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta)))
-        if kwargs.get("num_key_value_heads") is None:
-            kwargs["num_key_value_heads"] = hf["num_attention_heads"]
-        return cls(**kwargs)
-
-    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
-        """Returns a complete HF `config.json` dict loadable by transformers and vLLM."""
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            # Both spellings: transformers>=5 reads rope_parameters, older readers rope_theta.
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_scaling": None,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "pad_token_id": self.pad_token_id,
-            "hidden_act": "silu",
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "use_cache": True,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": self.num_hidden_layers,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "torch_dtype": dtype,
-            "dtype": dtype,
-        }
+__all__ = ["FAMILIES", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
+           "forward", "hidden_states", "init_model", "logical_axes", "vocab_kernel_VxE"]
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -153,54 +51,66 @@ _ones = jax.nn.initializers.ones
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen2RMSNorm: normalize in float32, cast back, then scale."""
+    """HF RMSNorm (Qwen2, Qwen3, Llama alike): normalize in float32, cast, then scale."""
 
     def __init__(self, size: int, eps: float, *, rngs: nnx.Rngs, dtype, param_dtype):
         self.scale = _param(rngs, _ones, (size,), ("norm",), param_dtype)
         self.eps = eps
         self.dtype = dtype
 
-    def __call__(self, x_BxTxE: jax.Array) -> jax.Array:
-        x32 = x_BxTxE.astype(jnp.float32)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.scale[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
-def _rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE exactly as HF (non-interleaved halves)."""
-    d = x_BxTxNxD.shape[-1]
-    inv_freq_F = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+def _rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
+    """Rotate-half RoPE exactly as HF (non-interleaved halves), in float32."""
     angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F
     angles_BxTxD = jnp.concatenate([angles_BxTxF, angles_BxTxF], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles_BxTxD), jnp.sin(angles_BxTxD)
-    x1, x2 = jnp.split(x_BxTxNxD.astype(jnp.float32), 2, axis=-1)
+    x32 = x_BxTxNxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x_BxTxNxD * cos + rotated * sin).astype(x_BxTxNxD.dtype)
+    return (x32 * cos + rotated * sin).astype(x_BxTxNxD.dtype)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with q/k/v biases and no output bias."""
+    """Grouped-query attention; q/k/v biases (qwen2) or per-head q/k norms (qwen3)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
         E, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         p = lambda init, shape, axes: _param(rngs, init, shape, axes, param_dtype)
         self.q_kernel = p(_normal, (E, H, D), ("embed", "heads", "head_dim"))
-        self.q_bias = p(_zeros, (H, D), ("heads", "head_dim"))
         self.k_kernel = p(_normal, (E, K, D), ("embed", "kv_heads", "head_dim"))
-        self.k_bias = p(_zeros, (K, D), ("kv_heads", "head_dim"))
         self.v_kernel = p(_normal, (E, K, D), ("embed", "kv_heads", "head_dim"))
-        self.v_bias = p(_zeros, (K, D), ("kv_heads", "head_dim"))
         self.o_kernel = p(_normal, (H, D, E), ("heads", "head_dim", "embed"))
-        self.rope_theta = cfg.rope_theta
+        # Absent features are None (static), present ones Params: one assignment each,
+        # as NNX fixes an attribute's kind when it is first set.
+        bias = cfg.qkv_bias
+        self.q_bias = p(_zeros, (H, D), ("heads", "head_dim")) if bias else None
+        self.k_bias = p(_zeros, (K, D), ("kv_heads", "head_dim")) if bias else None
+        self.v_bias = p(_zeros, (K, D), ("kv_heads", "head_dim")) if bias else None
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        # A tuple, not an array: module attributes that are not Params must be hashable.
+        self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
         self.dtype = dtype
 
+    def _project(self, x_BxTxE, kernel, bias):
+        y = jnp.einsum("bte,end->btnd", x_BxTxE, kernel[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
     def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS):
-        w = lambda v: v[...].astype(self.dtype)
-        q_BxTxHxD = jnp.einsum("bte,ehd->bthd", x_BxTxE, w(self.q_kernel)) + w(self.q_bias)
-        k_BxSxKxD = jnp.einsum("bte,ekd->btkd", x_BxTxE, w(self.k_kernel)) + w(self.k_bias)
-        v_BxSxKxD = jnp.einsum("bte,ekd->btkd", x_BxTxE, w(self.v_kernel)) + w(self.v_bias)
-        q_BxTxHxD = _rope(q_BxTxHxD, positions_BxT, self.rope_theta)
-        k_BxSxKxD = _rope(k_BxSxKxD, positions_BxT, self.rope_theta)
+        q_BxTxHxD = self._project(x_BxTxE, self.q_kernel, self.q_bias)
+        k_BxSxKxD = self._project(x_BxTxE, self.k_kernel, self.k_bias)
+        v_BxSxKxD = self._project(x_BxTxE, self.v_kernel, self.v_bias)
+        if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
+            q_BxTxHxD, k_BxSxKxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxSxKxD)
+        inv_freq_F = jnp.asarray(self.inv_freq, jnp.float32)
+        q_BxTxHxD = _rope(q_BxTxHxD, positions_BxT, inv_freq_F)
+        k_BxSxKxD = _rope(k_BxSxKxD, positions_BxT, inv_freq_F)
 
         # Query head h uses kv head h // G, as HF repeat_kv does; grouping avoids the copy.
         B, T, H, D = q_BxTxHxD.shape
@@ -213,7 +123,8 @@ class Attention(nnx.Module):
                                      jnp.finfo(jnp.float32).min)
         probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(self.dtype)
         out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS, v_BxSxKxD)
-        return jnp.einsum("bthd,hde->bte", out_BxTxKxGxD.reshape(B, T, H, D), w(self.o_kernel))
+        return jnp.einsum("bthd,hde->bte", out_BxTxKxGxD.reshape(B, T, H, D),
+                          self.o_kernel[...].astype(self.dtype))
 
 
 class MLP(nnx.Module):
@@ -247,11 +158,25 @@ class DecoderLayer(nnx.Module):
         return x_BxTxE + self.mlp(self.post_attn_norm(x_BxTxE))
 
 
+def _apply_layer(layer: DecoderLayer, x_BxTxE, positions_BxT, mask_BxTxS):
+    return layer(x_BxTxE, positions_BxT, mask_BxTxS)
+
+
+# Per-layer rematerialisation: the backward pass keeps only each layer's input and
+# recomputes its inside, so activation memory is one layer's, not all of them.
+_apply_layer_remat = nnx.remat(_apply_layer)
+
+
 class Decoder(nnx.Module):
-    """Qwen2 causal LM. Holds only `nnx.Param`s, so `nnx.split(model)` yields (graphdef, params)."""
+    """Causal LM of any family in `FAMILIES`. Holds only `nnx.Param`s, so
+    `nnx.split(model)` yields (graphdef, params).
+
+    `dtype` is the compute dtype, `param_dtype` the storage dtype; `remat` recomputes
+    each decoder layer in the backward pass instead of keeping its activations.
+    """
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, remat: bool = False):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embedding = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size),
                                 ("vocab", "embed"), param_dtype)
@@ -260,9 +185,11 @@ class Decoder(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(
             rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
         self.dtype = dtype
+        self.remat = bool(remat)
 
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
-        """Final-normed hidden states B×T×E, for callers that chunk the vocab projection."""
+        """Final-normed hidden states B×T×E in the compute dtype, for callers that chunk
+        the vocab projection (see `vocab_kernel_VxE`)."""
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -270,18 +197,24 @@ class Decoder(nnx.Module):
         if segment_ids_BxT is not None:
             # Packing: attend only within the same segment (padding id 0 sees only padding).
             mask_BxTxS = mask_BxTxS & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
-        x_BxTxE = self.embedding[...].astype(self.dtype)[tokens_BxT]
+        # Gather the rows, then cast: casting the whole V×E table first would copy it.
+        x_BxTxE = self.embedding[...][tokens_BxT].astype(self.dtype)
+        apply = _apply_layer_remat if self.remat else _apply_layer
         for layer in self.layers:
-            x_BxTxE = layer(x_BxTxE, positions_BxT, mask_BxTxS)
+            x_BxTxE = apply(layer, x_BxTxE, positions_BxT, mask_BxTxS)
         return self.final_norm(x_BxTxE)
+
+    def vocab_kernel_VxE(self) -> jax.Array:
+        """The output projection as V×E in the compute dtype, tied or not. Inside jit the
+        untied transpose folds into the consuming dot, so this costs no copy there."""
+        if self.lm_head is None:
+            return self.embedding[...].astype(self.dtype)
+        return self.lm_head[...].astype(self.dtype).T
 
     def logits(self, h_BxTxE):
         """Vocab projection, accumulated and returned in float32."""
-        if self.lm_head is None:
-            kernel_VxE = self.embedding[...].astype(self.dtype)
-            return jnp.einsum("bte,ve->btv", h_BxTxE, kernel_VxE, preferred_element_type=jnp.float32)
-        kernel_ExV = self.lm_head[...].astype(self.dtype)
-        return jnp.einsum("bte,ev->btv", h_BxTxE, kernel_ExV, preferred_element_type=jnp.float32)
+        return jnp.einsum("bte,ve->btv", h_BxTxE, self.vocab_kernel_VxE(),
+                          preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
         """Returns float32 logits B×T×V; positions default to arange, segments to one per row."""
@@ -289,21 +222,38 @@ class Decoder(nnx.Module):
 
 
 def forward(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
-    """Pure forward pass over (graphdef, params); jit this, not the module."""
+    """Pure forward pass over (graphdef, params) to float32 logits; jit this, not the module."""
     return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, segment_ids_BxT)
 
 
-def init_model(cfg: DecoderConfig, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32):
+def hidden_states(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None,
+                  segment_ids_BxT=None):
+    """Pure `Decoder.hidden_states`: final-normed B×T×E in the compute dtype."""
+    return nnx.merge(graphdef, params).hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT)
+
+
+def vocab_kernel_VxE(graphdef: nnx.GraphDef, params):
+    """Pure `Decoder.vocab_kernel_VxE`: the V×E output projection in the compute dtype."""
+    return nnx.merge(graphdef, params).vocab_kernel_VxE()
+
+
+def init_model(cfg: DecoderConfig, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               remat: bool = False):
     """Randomly initialised model as (graphdef, params) with params a pure dict of jax arrays."""
-    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=remat)
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
 
 
-def abstract_model(cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32):
-    """(graphdef, abstract param state) without allocating; state leaves keep their metadata."""
+def abstract_model(cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                   remat: bool = False):
+    """(graphdef, abstract param state) without allocating; state leaves keep their metadata.
+
+    For sharded initialisation: `jax.jit(init, out_shardings=...)` over the shapes of
+    `nnx.to_pure_dict(state)`.
+    """
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                         param_dtype=param_dtype))
+                                           param_dtype=param_dtype, remat=remat))
     return nnx.split(model)
 
 

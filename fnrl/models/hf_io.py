@@ -1,8 +1,13 @@
-"""Conversion between fnrl Qwen2 params and Hugging Face checkpoints.
+"""Conversion between fnrl decoder params and Hugging Face checkpoint directories.
 
 `params` everywhere is the pure nested dict `nnx.to_pure_dict(nnx.split(model)[1])`
 (see `fnrl.models.decoder`); an `nnx.State` is accepted too. Loaders return numpy host
 arrays so the caller chooses placement: `jax.device_put(params, shardings)`.
+
+A checkpoint directory holds `config.json`, the weights as `model.safetensors` or as
+shards named by `model.safetensors.index.json`, the tokenizer files and, optionally,
+`generation_config.json`. Reading and writing go one tensor at a time, so peak host
+memory is the params plus one tensor, never the params twice.
 """
 
 from __future__ import annotations
@@ -11,20 +16,26 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
 
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 
-__all__ = ["params_to_hf", "hf_to_params", "load_pretrained", "save_pretrained", "init_model"]
+__all__ = ["TOKENIZER_FILES", "check_model_dir", "hf_to_params", "init_model",
+           "iter_hf_tensors", "load_pretrained", "params_to_hf", "read_generation_config",
+           "save_pretrained", "weight_files"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 # (HF name, fnrl path, HF shape, fnrl -> HF, HF -> fnrl)
 _Entry = tuple[str, tuple, tuple[int, ...], Callable, Callable]
@@ -34,8 +45,15 @@ def _same(x):
     return x
 
 
+def _np_dtype(dtype) -> np.dtype:
+    """numpy dtype of a name, numpy or jax dtype; "bfloat16" is ml_dtypes'."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 def _table(cfg: DecoderConfig) -> list[_Entry]:
-    """Every tensor's name, location and layout change, in one place."""
+    """Every tensor's name, location and layout change, per family, in one place."""
     E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
@@ -51,15 +69,23 @@ def _table(cfg: DecoderConfig) -> list[_Entry]:
     table = [("model.embed_tokens.weight", ("embedding",), (V, E), _same, _same)]
     for i in range(cfg.num_hidden_layers):
         hf, p = f"model.layers.{i}.", ("layers", i)
+        attn = [(hf + "self_attn.q_proj.weight", (*p, "attn", "q_kernel"), (H * D, E),
+                 *proj_in(H)),
+                (hf + "self_attn.k_proj.weight", (*p, "attn", "k_kernel"), (K * D, E),
+                 *proj_in(K)),
+                (hf + "self_attn.v_proj.weight", (*p, "attn", "v_kernel"), (K * D, E),
+                 *proj_in(K)),
+                (hf + "self_attn.o_proj.weight", (*p, "attn", "o_kernel"), (E, H * D),
+                 o_to, o_from)]
+        if cfg.qkv_bias:
+            attn += [(hf + f"self_attn.{x}_proj.bias", (*p, "attn", f"{x}_bias"), (n * D,),
+                      *bias(n)) for x, n in (("q", H), ("k", K), ("v", K))]
+        if cfg.qk_norm:
+            attn += [(hf + f"self_attn.{x}_norm.weight", (*p, "attn", f"{x}_norm", "scale"),
+                      (D,), _same, _same) for x in ("q", "k")]
         table += [
             (hf + "input_layernorm.weight", (*p, "input_norm", "scale"), (E,), _same, _same),
-            (hf + "self_attn.q_proj.weight", (*p, "attn", "q_kernel"), (H * D, E), *proj_in(H)),
-            (hf + "self_attn.q_proj.bias", (*p, "attn", "q_bias"), (H * D,), *bias(H)),
-            (hf + "self_attn.k_proj.weight", (*p, "attn", "k_kernel"), (K * D, E), *proj_in(K)),
-            (hf + "self_attn.k_proj.bias", (*p, "attn", "k_bias"), (K * D,), *bias(K)),
-            (hf + "self_attn.v_proj.weight", (*p, "attn", "v_kernel"), (K * D, E), *proj_in(K)),
-            (hf + "self_attn.v_proj.bias", (*p, "attn", "v_bias"), (K * D,), *bias(K)),
-            (hf + "self_attn.o_proj.weight", (*p, "attn", "o_kernel"), (E, H * D), o_to, o_from),
+            *attn,
             (hf + "post_attention_layernorm.weight", (*p, "post_attn_norm", "scale"), (E,),
              _same, _same),
             (hf + "mlp.gate_proj.weight", (*p, "mlp", "gate_kernel"), (I, E), np.transpose,
@@ -75,25 +101,36 @@ def _table(cfg: DecoderConfig) -> list[_Entry]:
     return table
 
 
+def iter_hf_tensors(cfg: DecoderConfig, params, *, dtype=np.float32
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, HF-layout contiguous numpy tensor in `dtype`), one leaf at a time: a
+    caller that writes or sends each before taking the next holds one tensor on host."""
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    dtype = _np_dtype(dtype)
+    for hf_name, path, _, to_hf, _ in _table(cfg):
+        leaf = params
+        for key in path:
+            leaf = leaf[key]
+        yield hf_name, np.ascontiguousarray(to_hf(np.asarray(leaf)), dtype=dtype)
+
+
 def params_to_hf(cfg: DecoderConfig, params, *, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named, HF-layout contiguous numpy tensors in `dtype` (float32 by default).
 
     Pure numpy after one host transfer per leaf; `lm_head.weight` only when untied.
     """
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    out = {}
-    for hf_name, path, _, to_hf, _ in _table(cfg):
-        leaf = params
-        for key in path:
-            leaf = leaf[key]
-        out[hf_name] = np.ascontiguousarray(to_hf(np.asarray(leaf)), dtype=dtype)
-    return out
+    return dict(iter_hf_tensors(cfg, params, dtype=dtype))
 
 
 def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
                  dtype=np.float32) -> dict:
-    """Pure-dict params (numpy leaves in `dtype`) from HF tensors; extra tensors are ignored."""
+    """Pure-dict params (numpy leaves in `dtype`) from HF tensors; extra tensors are ignored.
+
+    `tensors` may be lazy (a mapping that reads on access): each is read, converted
+    and dropped before the next.
+    """
+    dtype = _np_dtype(dtype)
     params: dict = {}
     for hf_name, path, shape, _, from_hf in _table(cfg):
         if hf_name not in tensors:
@@ -105,37 +142,119 @@ def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = np.ascontiguousarray(from_hf(np.asarray(tensor)), dtype=dtype)
+        del tensor
     return params
 
 
-def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+class _LazyTensors(Mapping):
+    """Tensors of safetensors files, each read from its file when looked up."""
+
+    def __init__(self, files_by_name: Mapping[str, Path]):
+        self._files = dict(files_by_name)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        with safe_open(self._files[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
+        return name in self._files
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self):
+        return len(self._files)
+
+
+def _read_index(model_dir: Path) -> dict[str, str]:
+    """weight_map of the index file: tensor name -> shard file name."""
+    index_path = model_dir / INDEX_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index_path} is not a safetensors index with a weight_map: {e}") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path}: weight_map is empty or not an object")
+    return weight_map
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, else
+    `model.safetensors`. Raises FileNotFoundError naming a missing one."""
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX_FILE).exists():
+        files = [model_dir / f for f in sorted(set(_read_index(model_dir).values()))]
+    elif (model_dir / SINGLE_FILE).exists():
+        files = [model_dir / SINGLE_FILE]
     else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        if not (model_dir / name).exists():
-            raise FileNotFoundError(f"missing weights file {model_dir / name}")
-        tensors.update(load_file(model_dir / name))
-    return tensors
+        raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"{model_dir}: {INDEX_FILE} names missing shard(s) {missing}")
+    return files
+
+
+def _lazy_tensors(model_dir: Path) -> _LazyTensors:
+    files_by_name = {}
+    for path in weight_files(model_dir):
+        with safe_open(path, framework="numpy") as f:
+            files_by_name.update((name, path) for name in f.keys())
+    return _LazyTensors(files_by_name)
+
+
+def read_config(model_dir: str | os.PathLike) -> DecoderConfig:
+    """The DecoderConfig of a checkpoint's `config.json` (ValueError on what fnrl lacks)."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"missing {config_path}")
+    return DecoderConfig.from_hf(json.loads(config_path.read_text()))
 
 
 def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
-                    param_dtype=jnp.float32) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
+                    param_dtype=jnp.float32, remat: bool = False
+                    ) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
     """Reads `config.json` and (possibly sharded) safetensors into (cfg, graphdef, params).
 
-    `dtype`/`param_dtype` are the model's compute and storage dtypes; params are numpy.
+    `dtype`/`param_dtype` are the model's compute and storage dtypes (a bfloat16 file
+    loads into float32 params or bfloat16 ones); params are numpy, read one tensor at a
+    time, so peak memory is the params plus one tensor.
     """
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"missing {config_path}")
-    cfg = DecoderConfig.from_hf(json.loads(config_path.read_text()))
-    graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
-    params = hf_to_params(cfg, _read_tensors(model_dir), dtype=np.dtype(param_dtype))
+    cfg = read_config(model_dir)
+    graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    params = hf_to_params(cfg, _lazy_tensors(model_dir), dtype=param_dtype)
     return cfg, graphdef, params
+
+
+def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint's `generation_config.json` as a dict (eos ids, sampling defaults),
+    or None when it has none."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def check_model_dir(model_dir: str | os.PathLike) -> None:
+    """Checks that `model_dir` is a complete checkpoint fnrl can train and serve, before
+    anything starts: FileNotFoundError naming a missing file (config.json, weights or a
+    shard the index names, tokenizer.json), ValueError for a config fnrl cannot run or
+    a weights file that lacks a tensor the config needs."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    cfg = read_config(model_dir)
+    tensors = _lazy_tensors(model_dir)  # FileNotFoundError names the missing weights
+    missing = [name for name, *_ in _table(cfg) if name not in tensors]
+    if missing:
+        raise ValueError(f"{model_dir}: weights lack {len(missing)} tensor(s) config.json "
+                         f"needs, e.g. {missing[:3]}")
+    if not (model_dir / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{model_dir} lacks tokenizer.json")
+    read_generation_config(model_dir)  # ValueError if present but unreadable
 
 
 def _generation_config(cfg: DecoderConfig) -> dict:
@@ -147,22 +266,97 @@ def _generation_config(cfg: DecoderConfig) -> dict:
     return {k: v for k, v in ids.items() if v is not None}
 
 
+def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int | None) -> list[list[str]]:
+    """Tensor names per shard, in table order; a shard closes before it would exceed
+    `max_shard_bytes` (a single larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if max_shard_bytes is not None and shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _write_safetensors(path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: np.dtype,
+                       tensors: Iterator[tuple[str, np.ndarray]]) -> None:
+    """Streams one safetensors file: the header is known from the shapes alone, so each
+    tensor is written as it comes and dropped (the library's save_file needs them all
+    in memory at once). Layout: 8-byte little-endian header length, JSON header padded
+    to 8 bytes, then the tensors' bytes in header order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers requires it
+    offset = 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape)) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype.name], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in shapes:
+            got, tensor = next(tensors)
+            if got != name or tensor.dtype != dtype or tensor.shape != tuple(shapes[name]):
+                raise AssertionError(f"tensor {got} {tensor.shape} {tensor.dtype} out of order")
+            # Raw bytes via a uint8 view: buffers do not export bfloat16 directly.
+            f.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8).data)
+
+
+def _write_weights(out: Path, cfg: DecoderConfig, params, dtype: np.dtype,
+                   max_shard_bytes: int | None) -> None:
+    if dtype.name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype={dtype.name}: not one of {sorted(_SAFETENSORS_DTYPES)}")
+    table = _table(cfg)
+    sizes = [(name, int(np.prod(shape)) * dtype.itemsize) for name, _, shape, *_ in table]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    if len(shards) == 1:
+        names = [SINGLE_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shapes = {name: shape for name, _, shape, *_ in table}
+    tensors = iter_hf_tensors(cfg, params, dtype=dtype)
+    for file_name, shard in zip(names, shards):
+        _write_safetensors(out / file_name, {n: shapes[n] for n in shard}, dtype, tensors)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
 def save_pretrained(model_dir: str | os.PathLike, cfg: DecoderConfig, params, *,
-                    tokenizer_dir: str | os.PathLike | None = None, dtype=np.float32) -> Path:
+                    tokenizer_dir: str | os.PathLike | None = None, dtype=np.float32,
+                    max_shard_bytes: int | None = None,
+                    generation_config: Mapping[str, Any] | None = None) -> Path:
     """Writes an HF checkpoint directory (config, safetensors, generation config, tokenizer).
+
+    `dtype`: of the tensors on disk ("bfloat16" or `jnp.bfloat16` for half the size).
+    `max_shard_bytes`: split the weights into shards of at most this size (a larger
+    single tensor gets its own) with a `model.safetensors.index.json`; None writes one
+    `model.safetensors`. `generation_config`: written as given (e.g. the source model's),
+    else token ids only. Tensors are converted and written one at a time.
 
     Written into a sibling temp dir and renamed into place, so readers never see a partial
     checkpoint; an existing `model_dir` is replaced.
     """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be positive or None")
     model_dir = Path(model_dir)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    dtype = np.dtype(dtype)
+    dtype = _np_dtype(dtype)
     tmp = Path(tempfile.mkdtemp(dir=model_dir.parent, prefix=f".{model_dir.name}.tmp"))
     try:
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype.name), indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2))
-        save_file(params_to_hf(cfg, params, dtype=dtype), tmp / "model.safetensors",
-                  metadata={"format": "pt"})  # transformers refuses files without it
+        generation = dict(generation_config) if generation_config is not None else (
+            _generation_config(cfg))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        _write_weights(tmp, cfg, params, dtype, max_shard_bytes)
         if tokenizer_dir is not None:
             found = [f for f in TOKENIZER_FILES if (Path(tokenizer_dir) / f).exists()]
             if not found:

@@ -63,6 +63,7 @@ class RoleHealth:
     name: str
     kind: RoleKind
     exit_code: int | None = None     # the process exited with this code
+    exit_reason: str | None = None   # how, in words with the evidence (OOM killer, ...)
     error: str | None = None         # the role reported an exception
     busy_since_s: float | None = None
     """Trainer: when the running training step began. Rollout: since when it has had work
@@ -85,7 +86,8 @@ def detect(now_s: float, roles: tuple[RoleHealth, ...], cfg: FaultConfig) -> tup
         if r.restarting:
             continue
         if r.exit_code is not None:
-            failures.append(Failure(r.name, r.kind, f"process exited with code {r.exit_code}"))
+            failures.append(Failure(r.name, r.kind, f"process {r.exit_reason}" if r.exit_reason
+                                    else f"process exited with code {r.exit_code}"))
         elif r.error is not None:
             failures.append(Failure(r.name, r.kind, f"raised: {r.error}"))
         elif r.busy_since_s is not None:

@@ -50,7 +50,7 @@ def wait_relay_ready(address: str, proc: subprocess.Popen, timeout_s: float = 30
     with RelayClient(address, timeout_s=0.5) as client:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"relay {address} exited with code {proc.returncode}")
+                raise RuntimeError(f"relay {address} {procs.exit_reason(proc)}")
             try:
                 return client.ping()
             except RelayError:

@@ -22,6 +22,7 @@ from fnrl.relay import chain as chain_policy
 from fnrl.relay.client import RelayClient, RelayError
 from fnrl.config import RelayConfig
 from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
+from fnrl.shell import procs
 from fnrl.shell.net import free_port
 
 log = logging.getLogger("fnrl.relay")
@@ -215,7 +216,7 @@ class RelayTier:
         """Why `name` left the chain: ("exited" | "stopped" | "hung", a detail)."""
         proc = self.members[name].proc
         if proc is not None and proc.poll() is not None:
-            return "exited", f"exit code {proc.returncode}"
+            return "exited", procs.exit_reason(proc)   # the OOM killer named if it was
         pid = self._pids.get(name)
         state = None if pid is None else process_state(pid)
         if state is None and pid is not None:  # not our child, and gone

@@ -11,11 +11,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 
-# Sampling knobs pinned to "no change" so the behaviour policy is exactly
-# softmax(logits / temperature); vLLM's returned log-probs ignore these knobs anyway.
+# Knobs the trainer cannot reproduce pinned to "no change", so the behaviour policy is
+# the temperature-scaled softmax truncated by top_k and top_p, nothing else.
 _NEUTRAL_SAMPLING = {
-    "top_p": 1.0,
-    "top_k": -1,
     "min_p": 0.0,
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
@@ -32,8 +30,10 @@ class ServerError(RuntimeError):
 class Completion:
     """One sampled continuation.
 
-    `logprobs[i]` is log p(token_ids[i] | prefix) under the serving weights at
-    temperature 1 (vLLM's default `raw_logprobs`), whatever temperature sampled it.
+    `logprobs[i]` is log μ(token_ids[i] | prefix), μ the distribution it was sampled from:
+    softmax(logits / temperature) over the top_k / top_p tokens, renormalised (the
+    server runs with `--logprobs-mode processed_logprobs`). At temperature 0 (greedy) it
+    is the unscaled log-softmax.
     """
 
     token_ids: tuple[int, ...]
@@ -78,11 +78,14 @@ class RolloutClient:
         seed: int | None,
         stop_token_ids: Sequence[int] = (),
         request_id: str | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ) -> list[Completion]:
         """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable."""
         body = await self._completion_body(prompt_ids, n=n, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
-                                           stop_token_ids=stop_token_ids, request_id=request_id)
+                                           stop_token_ids=stop_token_ids, request_id=request_id,
+                                           top_p=top_p, top_k=top_k)
         reply = await self._post("/v1/completions", body, self.timeout_s)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != n:
@@ -92,7 +95,7 @@ class RolloutClient:
     async def _completion_body(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
                                temperature: float, seed: int | None,
                                stop_token_ids: Sequence[int], request_id: str | None,
-                               **extra) -> dict:
+                               top_p: float = 1.0, top_k: int = -1, **extra) -> dict:
         """The /v1/completions request: token ids in, token ids and sampled log-probs out."""
         body = {
             "model": await self._model_name(),
@@ -107,6 +110,8 @@ class RolloutClient:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
+            "top_p": top_p,
+            "top_k": top_k,
             **_NEUTRAL_SAMPLING,
             **extra,
         }
@@ -124,24 +129,29 @@ class RolloutClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         request_id: str | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
     ) -> AsyncIterator[StreamChunk]:
         """One continuation of `prompt_ids`, streamed as it is sampled (server-sent events).
 
         Closing the iterator (or cancelling the task that reads it) drops the
         connection, and vLLM aborts the request: that is how an interrupt stops a
-        trajectory. Every chunk already yielded is the caller's to keep.
+        trajectory. Every chunk already yielded is the caller's to keep. `timeout_s`
+        bounds the wait for each chunk, not the whole stream: a response of thousands of
+        tokens takes as long as it takes, a server that stops answering fails.
         """
         body = await self._completion_body(prompt_ids, n=1, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
                                            stop_token_ids=stop_token_ids, request_id=request_id,
-                                           ignore_eos=ignore_eos, stream=True)
+                                           top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
+                                           stream=True)
         url = self.base_url + "/v1/completions"
         for attempt in range(2):
             yielded = False
             try:
-                async with self.session.post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-                ) as response:
+                idle = aiohttp.ClientTimeout(total=None, sock_connect=self.control_timeout_s,
+                                             sock_read=self.timeout_s)
+                async with self.session.post(url, json=body, timeout=idle) as response:
                     if response.status != 200:
                         payload = await response.text()
                         response.close()
@@ -157,7 +167,7 @@ class RolloutClient:
                         yield self._stream_chunk(json.loads(data))
                     return
             except asyncio.TimeoutError:
-                raise ServerError(f"POST {url} timed out after {self.timeout_s:g} s") from None
+                raise ServerError(f"POST {url}: no answer for {self.timeout_s:g} s") from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 # A pooled keep-alive socket the server closed as we sent: nothing was
                 # generated for us, so sending once more is safe.

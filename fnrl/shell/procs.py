@@ -6,6 +6,13 @@ not reach it; the controller stops roles in order) and PR_SET_PDEATHSIG (the ker
 SIGKILLs it when the thread that forked it ends), so a crashed controller never leaves
 roles behind. vLLM's engine core is a child of its API server; it calls
 `die_with_parent` itself, and `stop` ends the whole group in case it lingers.
+
+Python's multiprocessing resource tracker (vLLM's API server starts one) is what unlinks
+a group's named semaphores (/dev/shm/sem.mp-*) when their users die, and it dies first
+when the group is SIGKILLed as a whole, or when vLLM's own shutdown force-kills its
+subprocesses (seen on a Ctrl-C mid-run: one sem.mp-* left). So `sample` notes the
+semaphores a group maps, and `signal_group` (SIGKILL) and `stop` unlink what is left of
+them once the group is going or gone.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
+
+from fnrl.shell.exits import ExitWatch
 
 _OURS = (b"fnrl", b"vllm", b"VLLM")
 _PR_SET_PDEATHSIG = 1
@@ -48,16 +57,87 @@ def spawn(argv: list[str], log_path: str | os.PathLike, *,
                                 preexec_fn=(lambda: die_with_parent(death_signal))
                                 if with_parent else None)
     proc.fnrl_log_path = Path(log_path)  # for error messages (files.log_tail)
+    proc.fnrl_watch = ExitWatch(proc.pid)  # for `exit_reason`: was it the OOM killer?
     return proc
 
 
+def sample(proc: subprocess.Popen) -> None:
+    """Refreshes what is known of a live spawned process: its OOM evidence (peak RSS,
+    the kernel's OOM-kill counts: a kill counted after this is its own) and the
+    semaphores its group maps (unlinked when the group is killed or stopped)."""
+    watch = getattr(proc, "fnrl_watch", None)
+    if watch is not None and proc.poll() is None:
+        watch.sample()
+        watch.semaphores.update(group_semaphores(proc.pid))
+
+
+def _unlink_semaphores(proc: subprocess.Popen, mapped_now: Iterable[str] = ()) -> None:
+    """Unlinks the group's semaphores: only its own processes use them, and none of them
+    runs on (the group is SIGKILLed or gone)."""
+    watch = getattr(proc, "fnrl_watch", None)
+    for path in {*mapped_now, *(watch.semaphores if watch is not None else ())}:
+        Path(path).unlink(missing_ok=True)
+
+
+def exit_reason(proc: subprocess.Popen) -> str:
+    """How an exited process ended, for an error message: "exited with code 1", "was
+    killed by the kernel's out-of-memory killer (...figures)", "was killed by SIGKILL
+    from outside fnrl (...)", "was killed by fnrl with SIGKILL (code -9)"."""
+    code = proc.poll()
+    if code is None:
+        return "is still running"
+    watch = getattr(proc, "fnrl_watch", None)
+    if watch is None:
+        return f"exited with code {code}"
+    return watch.describe(code)
+
+
+def _sent(proc: subprocess.Popen, sig: int) -> None:
+    watch = getattr(proc, "fnrl_watch", None)
+    if watch is not None:
+        watch.signals_sent.add(sig)
+
+
 def signal_group(proc: subprocess.Popen, sig: int) -> bool:
-    """Sends `sig` to the process group `proc` leads; False if the group is gone."""
+    """Sends `sig` to the process group `proc` leads; False if the group is gone. A
+    SIGKILL also unlinks the group's multiprocessing semaphores (the module docstring)."""
+    _sent(proc, sig)
+    mapped = group_semaphores(proc.pid) if sig == signal.SIGKILL else []
     try:
         os.killpg(proc.pid, sig)
         return True
     except ProcessLookupError:
         return False
+    finally:
+        if sig == signal.SIGKILL:
+            _unlink_semaphores(proc, mapped)
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def group_semaphores(pgid: int) -> list[str]:
+    """The multiprocessing named semaphores (/dev/shm/sem.mp-*) that members of process
+    group `pgid` have mapped. glibc maps a semaphore under a temporary name it then
+    unlinks ("sem.XXXXXX (deleted)"), so the mapping's inode is what names it."""
+    inodes = set()
+    for pid in _group_members(pgid, ours_only=False):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(str(SHM_DIR / "sem.")):
+                inodes.add(int(fields[4]))
+    found = []
+    for path in SHM_DIR.glob("sem.mp-*"):
+        try:
+            if path.stat().st_ino in inodes:
+                found.append(str(path))
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def alive(pid: int) -> bool:
@@ -90,24 +170,30 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0, *, group: bool = True) -
     stop_all([proc], grace_s, group=group)
 
 
-def stop_all(procs: Iterable[subprocess.Popen], grace_s: float = 10.0, *,
+def stop_all(procs: Iterable[subprocess.Popen], grace_s: float | Sequence[float] = 10.0, *,
              group: bool = True) -> None:
-    """`stop` for several processes at once, sharing one grace period."""
+    """`stop` for several processes at once, signalled together; `grace_s` is one grace
+    period for all or one per process."""
     procs = list(procs)
+    graces = [grace_s] * len(procs) if isinstance(grace_s, (int, float)) else list(grace_s)
     for proc in procs:
         if group:
             signal_group(proc, signal.SIGTERM)
         elif proc.poll() is None:
+            _sent(proc, signal.SIGTERM)
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        if not _wait(proc, deadline, group):
+    start = time.monotonic()
+    for proc, grace in sorted(zip(procs, graces), key=lambda pg: pg[1]):
+        if not _wait(proc, start + grace, group):
             if group:
                 signal_group(proc, signal.SIGKILL)
             else:
+                _sent(proc, signal.SIGKILL)
                 proc.kill()
-            _wait(proc, time.monotonic() + grace_s, group)
-        proc.wait(grace_s)
+            _wait(proc, time.monotonic() + grace, group)
+        proc.wait(grace)
+        if group:
+            _unlink_semaphores(proc)
 
 
 def _wait(proc: subprocess.Popen, deadline: float, group: bool) -> bool:
@@ -119,7 +205,8 @@ def _wait(proc: subprocess.Popen, deadline: float, group: bool) -> bool:
         time.sleep(0.05)
 
 
-def _group_members(pgid: int) -> list[int]:
+def _group_members(pgid: int, *, ours_only: bool = True) -> list[int]:
+    """Pids in process group `pgid`; `ours_only`: whose command line is fnrl's or vLLM's."""
     members = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -132,7 +219,7 @@ def _group_members(pgid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if any(tag in cmdline for tag in _OURS):
+        if not ours_only or any(tag in cmdline for tag in _OURS):
             members.append(int(entry.name))
     return members
 

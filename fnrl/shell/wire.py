@@ -15,6 +15,7 @@ import numpy as np
 import zmq
 
 from fnrl.shell.files import log_tail
+from fnrl.shell.procs import exit_reason
 
 
 class RoleError(RuntimeError):
@@ -49,7 +50,7 @@ def recv(sock: zmq.Socket, *, timeout_s: float, role: str,
             return header, arrays
         waited += 0.2
         if proc is not None and proc.poll() is not None:
-            raise RoleError(f"{role} exited with code {proc.returncode}{log_tail(log_path)}")
+            raise RoleError(f"{role} {exit_reason(proc)}{log_tail(log_path)}")
     raise RoleError(f"{role} did not answer within {timeout_s:.0f}s")
 
 

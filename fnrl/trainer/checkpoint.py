@@ -1,17 +1,30 @@
-"""Orbax checkpoints of the TrainState, saved every step, asynchronously.
+"""Orbax checkpoints of the TrainState, and the log of batches trained since the last.
+
+Cadence (`trainer.checkpoint_every` = k): the state is saved every k versions, and every
+batch is logged (`BatchLog`, a few MB) before the step that trains it. A restarted
+trainer restores the newest finished checkpoint and replays the logged batches after
+it, in order, through the same jitted step: it comes back at the version it had, with
+the same parameters (the step is deterministic), so the controller's assumption holds
+whatever k is: a restarted trainer is at the version it answered last, or one past it
+if it died inside a step (its batch was logged, so the step is replayed and taken as
+done), and a job restart resumes every role from that version (fnrl.control.journal).
+The price of k > 1 is replaying up to k - 1 steps at a restart; k = 1 replays nothing
+(the default, the cheapest restart for small models).
 
 Orbax writes into a temporary directory and renames it when complete, so a save that
 is killed half way never hides the previous checkpoint: `latest_step` only sees
-finished ones.
+finished ones. A logged batch is written to a temporary file and renamed likewise.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -61,3 +74,36 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+class BatchLog:
+    """The batches trained since the newest checkpoint: DIR/<version>.npz holds the
+    batch that trains version -> version + 1 (a skipped step's batch is overwritten
+    by the next one sent for the same version)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, version: int) -> Path:
+        return self.directory / f"{version}.npz"
+
+    def write(self, version: int, batch: dict[str, np.ndarray]) -> None:
+        """Logs `batch` as the one training `version`; visible whole or not at all."""
+        tmp = self.directory / f".{version}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, **batch)
+        os.replace(tmp, self._path(version))
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.stem) for p in self.directory.glob("*.npz"))
+
+    def read(self, version: int) -> dict[str, np.ndarray]:
+        with np.load(self._path(version)) as z:
+            return {k: z[k] for k in z.files}
+
+    def prune(self, below: int) -> None:
+        """Drops the batches of versions < `below` (a finished checkpoint holds them)."""
+        for version in self.versions():
+            if version < below:
+                self._path(version).unlink(missing_ok=True)

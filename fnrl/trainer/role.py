@@ -2,10 +2,17 @@
 
     python -m fnrl.trainer.role --run-dir DIR --model-dir DIR --address tcp://... --relay tcp://...
 
-It answers the controller over ZeroMQ (REP): `train` with a batch of arrays runs one
-jitted step, checkpoints it (Orbax, async) and publishes the new version to the
-master relay, then replies with metrics and timings. On start it resumes from the
-newest finished checkpoint and publishes that version, so rollouts never go back.
+It answers the controller over ZeroMQ (REP): `train` with a batch of arrays logs the
+batch, runs one jitted step, checkpoints every `trainer.checkpoint_every` versions
+(Orbax, async) and publishes the new version to the master relay in the servers' dtype
+(`rollout.dtype`), then replies with metrics and timings. On start it resumes from the
+newest finished checkpoint, replays the batches logged after it (so it is back at the
+version it had: fnrl.trainer.checkpoint) and publishes that version if the relays lack
+it, so rollouts never go back.
+
+Parameters are held in `trainer.param_dtype` with Adam's moments, computed in
+`trainer.compute_dtype`, optionally rematerialised per layer (`trainer.remat`) and with
+log-probs in chunks (`trainer.logprob_chunk`); the state is born sharded.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import traceback
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import zmq
 
@@ -29,56 +37,81 @@ from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for
 from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
-from fnrl.trainer.checkpoint import Checkpointer
-from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
+from fnrl.trainer.checkpoint import BatchLog, Checkpointer
+from fnrl.trainer.step import (compile_train_step, init_sharded_state, make_optimizer,
+                               place_params, state_shardings)
+from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
 
 
 BATCH_SPECS = "batch_specs.json"
 
 
 class Trainer:
-    """Holds the jitted step, the state and the checkpointer; no sockets."""
+    """Holds the jitted step, the state, the checkpointer and the batch log; no sockets."""
 
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path):
-        self.cfg = cfg
-        self.model_cfg, self.graphdef, params = load_pretrained(model_dir)
-        self.mesh = mesh_from_config(cfg.trainer.mesh)
-        param_sh = shardings_for(logical_axes(self.model_cfg), params, self.mesh)
-        params = jax.device_put(params, param_sh)
-        # The KL reference is the initial model, frozen; without KL it is never loaded.
+        self.cfg, tc = cfg, cfg.trainer
+        compute = jnp.dtype(tc.compute_dtype)
+        self.model_cfg, self.graphdef, host_params = load_pretrained(
+            model_dir, dtype=compute, param_dtype=jnp.dtype(tc.param_dtype), remat=tc.remat)
+        self.max_len = cfg.model.context_len(self.model_cfg.max_position_embeddings)
+        self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
+        self.mesh = mesh_from_config(tc.mesh)
+        param_sh = shardings_for(logical_axes(self.model_cfg), host_params, self.mesh)
+        self.optimizer = make_optimizer(cfg.algo)
+        # Sharded init: shardings from shapes alone, then the state is built in place.
+        state_sh = state_shardings(self.optimizer, host_params, param_sh)
+        self.state = init_sharded_state(place_params(host_params, param_sh), self.optimizer,
+                                        state_sh)
+        # The KL reference is the initial model, frozen: no gradients, so it is held in
+        # the compute dtype. Without KL it is never loaded.
         self.ref_params = None
         if cfg.algo.needs_reference:
-            self.ref_params = jax.device_put(load_pretrained(model_dir)[2], param_sh)
-        self.optimizer = make_optimizer(cfg.algo)
-        # Initialising under jit lets XLA place the Adam moments like their parameters.
-        state = jax.jit(lambda p: init_state(p, self.optimizer))(params)
+            self.ref_params = place_params(load_pretrained(model_dir, param_dtype=compute)[2],
+                                           param_sh)
         self.run_dir = run_dir
         self._seen_specs: set[str] = set()
         self._warmed: set[str] = set()
-        self.state = state
         self.resumed_from = None
-        self.checkpoints = Checkpointer(run_dir / "checkpoints")
-        self.restore_latest()
-        state_sh = jax.tree.map(lambda x: x.sharding, state)
+        self.replayed = 0
+        self.checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=tc.checkpoint_keep)
+        self.batches = BatchLog(run_dir / "batches")
         self._step = compile_train_step(
             self.graphdef, self.optimizer, cfg.algo, state_sh, batch_sharding(self.mesh),
-            micro_batches=cfg.trainer.micro_batches,
+            micro_batches=tc.micro_batches, logprob_chunk=tc.logprob_chunk,
             ref_sharding=param_sh if self.ref_params is not None else None)
+        self._serving_cast = jax.jit(lambda p: jax.tree.map(
+            lambda x: x.astype(self.serve_dtype), p))
+        self.restore_latest(replay=False)
 
     @property
     def version(self) -> int:
         return int(self.state.step)
 
-    def restore_latest(self, *, rescan: bool = False) -> None:
-        """Loads the newest finished checkpoint (if resuming and there is one). A warm
+    def restore_latest(self, *, rescan: bool = False, replay: bool = True) -> None:
+        """Brings the state to the newest version this run's trainers reached (if
+        resuming): the newest finished checkpoint if it is ahead of the state held, then
+        the batches logged since, replayed in order (fnrl.trainer.checkpoint). A warm
         standby calls it again at takeover, with a manager that rescans the directory
-        (another trainer has been writing to it)."""
+        (another trainer has been writing to it); it replays only then."""
         if rescan:
             self.checkpoints.close()
-            self.checkpoints = Checkpointer(self.run_dir / "checkpoints")
-        if self.cfg.resume and self.checkpoints.latest_step() is not None:
+            self.checkpoints = Checkpointer(self.run_dir / "checkpoints",
+                                            max_to_keep=self.cfg.trainer.checkpoint_keep)
+        if not self.cfg.resume:
+            return
+        latest = self.checkpoints.latest_step()
+        if latest is not None and latest > self.version:
             self.state, _ = self.checkpoints.restore(self.state)
-            self.resumed_from = int(self.state.step)
+        if replay:
+            for version in self.batches.versions():
+                if version != self.version:
+                    continue   # older than the checkpoint (not yet pruned), or after a skip
+                self.state, _ = self._step(self.state, self.batches.read(version),
+                                           self.ref_params)
+                self.replayed += 1
+        if self.version > 0:
+            self.resumed_from = self.version
 
     def warm_up(self) -> int:
         """Compiles (or loads from the compilation cache) the step for every batch shape
@@ -108,25 +141,40 @@ class Trainer:
             write_atomic(path, json.dumps(specs + [spec]))
 
     def hf_weights(self) -> dict[str, np.ndarray]:
-        return params_to_hf(self.model_cfg, jax.device_get(self.state.params))
+        """The current params in the HF layout and the servers' dtype (cast on device,
+        so a bfloat16 server gets half the bytes, converted by XLA, not numpy)."""
+        params = self.state.params
+        if any(x.dtype != self.serve_dtype for x in jax.tree.leaves(params)):
+            params = self._serving_cast(params)
+        return params_to_hf(self.model_cfg, jax.device_get(params), dtype=self.serve_dtype)
 
     def train(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, float], dict | None]:
         """One step. Returns metrics and the new version's HF weights (None if skipped).
 
-        The Orbax save runs in the background while the weights are converted to the
-        rollout layout; it must finish before the caller publishes, so a restarted
-        trainer never serves rollouts a version older than one they have seen.
+        The batch is logged before the step runs, so from then on a restarted trainer
+        reaches the new version by replaying it. Every `checkpoint_every` versions the
+        state is saved (Orbax, in the background while the weights are converted) and
+        the save finishes before the caller publishes; the logged batches it covers go.
         """
+        length = batch["input_BxT"].shape[1]
+        if length > self.max_len:
+            raise ValueError(f"a batch of {length} positions exceeds the run's context of "
+                             f"{self.max_len} tokens (model.max_seq_len)")
         t0 = time.perf_counter()
+        self.batches.write(self.version, batch)
         self.state, metrics = self._step(self.state, batch, self.ref_params)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         metrics["time/train_s"] = time.perf_counter() - t0
         if metrics["update_skipped"] != 0.0:
             return metrics, None
         t1 = time.perf_counter()
-        self.checkpoints.save(self.version, self.state)
+        saving = self.version % self.cfg.trainer.checkpoint_every == 0
+        if saving:
+            self.checkpoints.save(self.version, self.state)
         weights = self.hf_weights()
-        self.checkpoints.wait()
+        if saving:
+            self.checkpoints.wait()
+            self.batches.prune(below=self.version)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         return metrics, weights
 
@@ -143,6 +191,7 @@ def enable_compilation_cache() -> None:
 
 def serve(args: argparse.Namespace) -> None:
     cfg = from_dict(RunConfig, json.loads(Path(args.config).read_text()))
+    set_cpu_threads(cfg.trainer.cpu_threads)   # XLA sizes its CPU pool at backend start
     enable_compilation_cache()
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(args.address)
@@ -162,10 +211,10 @@ def serve(args: argparse.Namespace) -> None:
                     trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
                 wire.send(sock, {"warmed": trainer.warm_up()})
             elif cmd in ("init", "takeover"):
+                standby = trainer is not None
                 if trainer is None:
                     trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
-                else:
-                    trainer.restore_latest(rescan=True)
+                trainer.restore_latest(rescan=standby)
                 latest = relay.latest()
                 if latest is None or latest.version < trainer.version:
                     # Visible before the reply: rollouts pull right after a resume.
@@ -191,6 +240,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    use_memory_scheduler()   # before JAX starts its backend (fnrl.trainer.xla_flags)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--model-dir", required=True)

@@ -21,6 +21,7 @@ from flax import nnx
 from fnrl.config import AlgoConfig
 from fnrl.losses.correction import mismatch_metrics
 from fnrl.losses.objective import Objective, as_objective, build_objective
+from fnrl.trainer.logprobs import model_logprobs
 
 Params = Any
 
@@ -48,27 +49,57 @@ def init_state(params: Params, optimizer: optax.GradientTransformation) -> Train
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
+def state_shardings(optimizer: optax.GradientTransformation, params: Params,
+                    param_sharding: Any) -> TrainState:
+    """Shardings of the TrainState `init_state` builds, without allocating it: every
+    optimizer leaf shaped like a parameter (Adam's moments) is placed like that
+    parameter, everything else (counters) replicated. `params` may be abstract."""
+    abstract = jax.eval_shape(functools.partial(init_state, optimizer=optimizer), params)
+    mesh = jax.tree.leaves(param_sharding)[0].mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sharding = optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract.opt_state, param_sharding,
+        transform_non_params=lambda _: replicated)
+    return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding)
+
+
+def init_sharded_state(params: Params, optimizer: optax.GradientTransformation,
+                       sharding: TrainState) -> TrainState:
+    """`init_state` under jit with `sharding` as out_shardings: the Adam moments are born
+    sharded (never whole on one device), and the params are donated, not copied."""
+    init = jax.jit(functools.partial(init_state, optimizer=optimizer), out_shardings=sharding,
+                   donate_argnums=0)
+    return init(params)
+
+
+def place_params(params: dict, sharding: Any, dtype=None) -> dict:
+    """Host params (nested dict of numpy) onto devices, leaf by leaf, in `dtype` if given.
+
+    Each host leaf is dropped from `params` once placed (the dict is emptied), so at
+    most one leaf exists twice and the peak is about one copy of the model.
+    """
+    def place(node, shard):
+        out = {}
+        for key in list(node):
+            leaf = node.pop(key)
+            if isinstance(leaf, dict):
+                out[key] = place(leaf, shard[key])
+            else:
+                out[key] = jax.device_put(leaf if dtype is None else leaf.astype(dtype), shard[key])
+                del leaf
+        return out
+    return place(params, sharding)
+
+
 def token_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT: jnp.ndarray,
                    target_BxT: jnp.ndarray, positions_BxT: jnp.ndarray | None = None,
-                   segment_ids_BxT: jnp.ndarray | None = None) -> jnp.ndarray:
-    """log π(target_t | input_≤t) for every position, in float32."""
-    return _logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT, segment_ids_BxT,
-                     with_entropy=False)[0]
-
-
-def _logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT=None, segment_ids_BxT=None,
-              *, with_entropy: bool):
-    """(log-probs of the targets, per-token entropy or None); float32 softmax."""
-    logits_BxTxV = nnx.merge(graphdef, params)(input_BxT, positions_BxT,
-                                                segment_ids_BxT).astype(jnp.float32)
-    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    picked_BxT = jnp.take_along_axis(logits_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
-    entropy_BxT = None
-    if with_entropy:
-        # H = log Z - Σ p·logit, without materialising log p a second time.
-        probs_BxTxV = jnp.exp(logits_BxTxV - logz_BxT[..., None])
-        entropy_BxT = logz_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
-    return picked_BxT - logz_BxT, entropy_BxT
+                   segment_ids_BxT: jnp.ndarray | None = None, *,
+                   logprob_chunk: int = 0, temperature: float = 1.0) -> jnp.ndarray:
+    """log π(target_t | input_≤t) for every position, in float32 (chunked over the
+    sequence when logprob_chunk > 0: fnrl.trainer.logprobs), π = softmax(logits / T)."""
+    return model_logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT,
+                          segment_ids_BxT, chunk_tokens=logprob_chunk,
+                          temperature=temperature)[0]
 
 
 def _model_inputs(batch):
@@ -104,14 +135,18 @@ def _is_summed(key: str) -> bool:
 def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: Params = None, *,
                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                loss_fn: Objective | Callable, micro_batches: int = 1,
-               micro_sharding: jax.sharding.NamedSharding | None = None
-               ) -> tuple[TrainState, dict]:
+               micro_sharding: jax.sharding.NamedSharding | None = None,
+               logprob_chunk: int = 0, temperature: float = 1.0) -> tuple[TrainState, dict]:
     """One policy-gradient update on one batch. Pure: jit it once, with donation.
 
     `loss_fn` is an Objective (fnrl.losses) or a bare term. The batch is split into
     `micro_batches` whose gradients are summed: aggregation weights come from the
     whole batch first, so the update equals the unsplit one. `ref_params` (the
-    frozen initial model) is needed only when the objective uses KL.
+    frozen initial model) is needed only when the objective uses KL. `logprob_chunk`
+    > 0 computes log-probs and entropy `logprob_chunk` tokens at a time, never holding
+    a micro-batch's B×T×V logits (fnrl.trainer.logprobs). π (and the reference) is
+    softmax(logits / `temperature`), the sampling temperature: vLLM's behaviour log-probs
+    are those of the distribution it sampled from.
     """
     objective = as_objective(loss_fn)
     needs_ref = "ref_logp_BxT" in objective.needs
@@ -122,12 +157,15 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
 
     def micro_step(mb):
         if needs_ref:
-            mb = dict(mb, ref_logp_BxT=jax.lax.stop_gradient(
-                token_logprobs(graphdef, ref_params, *_model_inputs(mb))))
+            mb = dict(mb, ref_logp_BxT=jax.lax.stop_gradient(token_logprobs(
+                graphdef, ref_params, *_model_inputs(mb), logprob_chunk=logprob_chunk,
+                temperature=temperature)))
 
         def loss_of(params):
-            logp_BxT, entropy_BxT = _logprobs(graphdef, params, *_model_inputs(mb),
-                                              with_entropy=with_entropy)
+            logp_BxT, entropy_BxT = model_logprobs(graphdef, params, *_model_inputs(mb),
+                                                   chunk_tokens=logprob_chunk,
+                                                   with_entropy=with_entropy,
+                                                   temperature=temperature)
             prepared, prep_metrics = objective.prepare(logp_BxT, mb)
             if with_entropy:
                 prepared["entropy_BxT"] = entropy_BxT
@@ -175,11 +213,13 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
 
 
 def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
-                       micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None):
+                       micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None,
+                       logprob_chunk: int = 0):
     """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
 
     The result is called as step(state, batch, ref_params); ref_params is None unless
     the config uses KL (then the frozen initial params, placed by `ref_sharding`).
+    Log-probs are at `algo.temperature`, the one the rollouts sample with.
     """
     objective = objective if objective is not None else build_objective(algo)
     micro_sharding = None
@@ -187,17 +227,20 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
         micro_sharding = jax.sharding.NamedSharding(
             batch_sharding.mesh, jax.sharding.PartitionSpec(None, *batch_sharding.spec))
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=objective,
-                             micro_batches=micro_batches, micro_sharding=micro_sharding)
+                             micro_batches=micro_batches, micro_sharding=micro_sharding,
+                             logprob_chunk=logprob_chunk, temperature=algo.temperature)
     return jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding),
                    out_shardings=(state_sharding, None), donate_argnums=0)
 
 
 def sft_step(state: TrainState, batch: Mapping[str, jnp.ndarray], *, graphdef: nnx.GraphDef,
-             optimizer: optax.GradientTransformation) -> tuple[TrainState, dict]:
+             optimizer: optax.GradientTransformation, logprob_chunk: int = 0
+             ) -> tuple[TrainState, dict]:
     """Supervised next-token step on masked targets (the warm start)."""
 
     def objective(params):
-        logp_BxT = token_logprobs(graphdef, params, batch["input_BxT"], batch["target_BxT"])
+        logp_BxT = token_logprobs(graphdef, params, batch["input_BxT"], batch["target_BxT"],
+                                  logprob_chunk=logprob_chunk)
         mask = batch["mask_BxT"]
         return -jnp.sum(logp_BxT * mask) / jnp.maximum(mask.sum(), 1.0)
 

@@ -79,6 +79,9 @@ class FakeTrainer:
     def exit_code(self) -> int | None:
         return self.code
 
+    def exit_reason(self) -> str | None:
+        return None if self.code is None else f"exited with code {self.code}"
+
     async def init(self):
         return self.version, None
 
@@ -136,6 +139,9 @@ class FakeRollout:
     def exit_code(self) -> int | None:
         return self.code
 
+    def exit_reason(self) -> str | None:
+        return None if self.code is None else f"exited with code {self.code}"
+
     def _alive(self) -> None:
         if self.code is not None:
             raise ServerError(f"{self.name}: connection refused")
@@ -144,7 +150,7 @@ class FakeRollout:
         return 4096
 
     async def generate(self, prompt_ids, *, n, max_tokens, temperature, seed=None,
-                       stop_token_ids=()):
+                       stop_token_ids=(), top_p=1.0, top_k=-1):
         self._alive()
         await asyncio.sleep(0)
         answer = [2 + (sum(prompt_ids) % 7), EOS][:max_tokens]
@@ -152,7 +158,8 @@ class FakeRollout:
                            finish_reason="stop") for _ in range(n)]
 
     async def generate_stream(self, prompt_ids, *, max_tokens, temperature, seed=None,
-                              stop_token_ids=(), ignore_eos=False, request_id=None):
+                              stop_token_ids=(), ignore_eos=False, request_id=None,
+                              top_p=1.0, top_k=-1):
         self.requests += 1
         sent = 0
         want = max_tokens if ignore_eos else min(self.length, max_tokens)
@@ -209,5 +216,5 @@ def fake_task(seed: int = 0):
     return TaskIO(prompts=PromptStream(seed, 1, 2, held_out=frozenset(p.uid for p in eval_set)),
                   eval_set=eval_set,
                   encode=encode, decode=lambda ids: "".join(str(i % 10) for i in ids),
-                  reward_fn=lambda text, gold: float(len(text) % 2), eos_id=EOS, pad_id=0,
+                  reward_fn=lambda text, gold, length: float(len(text) % 2), stop_ids=(EOS,), pad_id=0,
                   seq_len=64)

@@ -1,6 +1,9 @@
-"""No process or shared-memory segment outlives a job: a controller SIGKILLed while its
-relays hold weights (the kernel tells its roles; a relay unlinks its segments), and a
-re-run controller's clean-up of what a stopped relay left."""
+"""No process or shared-memory name outlives a job: a controller SIGKILLed while its
+relays hold weights (the kernel tells its roles; a relay unlinks its segments), a
+re-run controller's clean-up of what a stopped relay left, and the main job stopped by
+Ctrl-C (during the servers' start, and mid-run after a relay and a server crashed),
+SIGTERM or SIGKILL: none of its processes, relay segments or vLLM's multiprocessing
+semaphores (/dev/shm/sem.mp-*) is left."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +22,7 @@ from fnrl.config import RelayConfig
 from fnrl.control.roles import Cluster, read_roles
 from fnrl.relay import store
 from fnrl.relay.client import RelayClient
+from fnrl.shell import procs
 from fnrl.shell.procs import alive
 
 pytestmark = pytest.mark.slow
@@ -87,3 +92,139 @@ def test_a_rerun_controller_removes_what_a_stopped_relay_left(tmp_path):
         assert segments([("relay0", relay.proc.pid)]) == []
     finally:
         cluster.stop()
+
+
+# --- the main job, stopped or crashed at its worst moments --------------------------------
+
+JOB_FLAGS = ["--steps", "1000", "--warm-start.steps", "20", "--model.hidden-size", "64",
+             "--model.intermediate-size", "128", "--model.num-hidden-layers", "2",
+             "--model.num-attention-heads", "2", "--model.num-key-value-heads", "1",
+             "--task.num-eval", "16", "--algo.groups-per-step", "4",
+             "--rollout.groups-per-batch", "4"]
+
+
+def descendants(pids) -> set[int]:
+    """`pids` and every process below them (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
+class Job:
+    """`python -m fnrl.experiments.math_grpo` in a run directory of the test's own; every
+    process and shared-memory name it makes is noted while it runs."""
+
+    def __init__(self, tmp_path: Path, cache_dir: Path, *flags: str):
+        self.run_dir, self.out = tmp_path / "run", tmp_path / "job.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fnrl.experiments.math_grpo", "--run-dir", str(self.run_dir),
+             "--warm-start.cache-dir", str(cache_dir), *JOB_FLAGS, *flags],
+            stdout=open(self.out, "w"), stderr=subprocess.STDOUT)
+        self.pids: set[int] = set()
+        self.relays: set[tuple[str, int]] = set()
+        self.semaphores: set[str] = set()
+
+    def roles(self) -> dict:
+        return read_roles(self.run_dir / "roles.json")
+
+    def note(self) -> None:
+        """Everything the job runs now: its processes, its relays, its servers' semaphores."""
+        roles = {n: int(i["pid"]) for n, i in self.roles().items()}
+        self.pids |= descendants([self.proc.pid, *roles.values()])
+        self.relays |= {(n, pid) for n, pid in roles.items() if n.startswith("relay")}
+        for name, pid in roles.items():
+            if name.startswith("rollout"):
+                self.semaphores |= set(procs.group_semaphores(pid))
+
+    def wait_for(self, cond, timeout_s: float = 600.0) -> None:
+        def ready():
+            assert self.proc.poll() is None, self.out.read_text()[-3000:]
+            self.note()
+            return cond()
+        wait_until(ready, timeout_s)
+
+    def log(self) -> str:
+        return self.out.read_text()
+
+    def trained(self) -> bool:
+        metrics = self.run_dir / "metrics.jsonl"
+        return metrics.exists() and '"kind": "train"' in metrics.read_text()
+
+    def leftovers(self) -> tuple[list[int], list[str]]:
+        alive_pids = [p for p in self.pids if alive(p) and p != os.getpid()]
+        shm = segments(self.relays) + [s for s in self.semaphores if os.path.exists(s)]
+        return alive_pids, shm
+
+    def assert_nothing_left(self) -> None:
+        assert self.relays and self.semaphores      # the job did make them
+        wait_until(lambda: self.leftovers() == ([], []), 60)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("model_cache")
+
+
+@pytest.fixture
+def job_factory(tmp_path, cache_dir):
+    jobs = []
+
+    def start(*flags: str) -> Job:
+        jobs.append(Job(tmp_path, cache_dir, *flags))
+        return jobs[-1]
+    yield start
+    for job in jobs:
+        job.close()
+
+
+def test_ctrl_c_during_the_servers_start_stops_every_role_at_once(job_factory):
+    job = job_factory()
+    job.wait_for(lambda: "trainer ready" in job.log() and job.semaphores)
+    assert "server(s) ready" not in job.log()    # vLLM still starting (about a minute here)
+    t0 = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)
+    # It used to wait for the whole server start before stopping anything.
+    assert job.proc.wait(timeout=30) == 130, job.log()[-3000:]
+    assert time.monotonic() - t0 < 30
+    assert "stopped by SIGINT; every role is stopped" in job.log()
+    job.assert_nothing_left()
+
+
+def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
+    job = job_factory("--relay.num-relays", "2")
+    job.wait_for(job.trained)
+    roles = job.roles()
+    os.kill(int(roles["relay1"]["pid"]), signal.SIGKILL)       # a relay crashes
+    os.kill(int(roles["rollout0"]["pid"]), signal.SIGKILL)     # vLLM's API server crashes
+    faults = job.run_dir / "faults.jsonl"
+    job.wait_for(lambda: faults.exists() and '"recovered"' in faults.read_text()
+                 and '"rollout0"' in faults.read_text())
+    job.proc.send_signal(signal.SIGINT)
+    assert job.proc.wait(timeout=60) == 130, job.log()[-3000:]
+    job.assert_nothing_left()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_a_terminated_or_killed_controller_mid_run_leaves_nothing(job_factory, sig, code):
+    job = job_factory()
+    job.wait_for(job.trained)
+    job.proc.send_signal(sig)
+    assert job.proc.wait(timeout=60) == code, job.log()[-3000:]
+    job.assert_nothing_left()

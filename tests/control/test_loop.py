@@ -81,6 +81,12 @@ def test_loop_trains_every_step(tmp_path, preset):
     assert summary["failures"] == 0 and summary["ettr"] == 1.0
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS
+    # Every consumed trajectory names the exact prompt ids it was generated from.
+    task = fake_task()
+    prompts = {p.uid: p.prompt for p in task.prompts.take(4 * STEPS * GROUPS)}
+    for r in read_jsonl(tmp_path / "trajectories.jsonl"):
+        assert [tr["prompt_ids"] for tr in r["trajectories"]] == \
+            [task.encode(prompts[r["group"]])] * G
 
 
 def test_a_skipped_update_mid_run_is_survived_at_the_same_version(tmp_path):

@@ -1,6 +1,9 @@
-"""JSONL datasets: bad rows skipped and recorded (or an error naming file, row and
-reason), the eval split, and a seeded, epoching, resumable prompt stream."""
+"""JSONL and Parquet datasets: nested field mapping, GSM8K and MATH gold answers, bad rows
+of every kind skipped and recorded with their row numbers (or an error naming file, row
+and reason), prompts the tokenizer cannot represent, the eval split, and a seeded,
+epoching, resumable prompt stream."""
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -125,7 +128,7 @@ def test_stream_resumes_exactly_by_skip_or_cursor(n, seed, takes):
 
 
 def test_prompt_stream_skip_equals_take():
-    a, b = PromptStream(1, 1, 4, held_out=frozenset()), PromptStream(1, 1, 4, held_out=frozenset())
+    a, b = PromptStream(1, 1, 3, held_out=frozenset()), PromptStream(1, 1, 3, held_out=frozenset())
     a.take(37)
     b.skip(37)
     assert a.cursor == b.cursor and a.take(5) == b.take(5)
@@ -175,3 +178,166 @@ def test_dataset_fields_leave_the_warm_start_model_alone():
     assert len(dirs) == 1
     assert len({default_model_dir(ModelConfig(), TaskConfig(seed=s), WarmStartConfig())
                 for s in (1, 2)}) == 2
+
+
+# --- nested fields, gold answers, Parquet, and prompts the tokenizer cannot represent ----
+
+GSM8K_ROWS = [
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as "
+                 "many clips in May. How many clips did Natalia sell altogether?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether.\n#### 72"},
+    {"question": "What is 12 + 30?", "answer": "12 + 30 = 42\n#### 42"},
+    {"question": "A shop sells 1,000 pens a day. How many in 2 days?",
+     "answer": "1,000 * 2 = 2,000\n#### 2,000"},
+]
+MATH_ROWS = [
+    {"problem": "Simplify $\\frac{2}{4}$.",
+     "solution": "Divide by 2: $\\frac{2}{4} = \\boxed{\\frac{1}{2}}$."},
+    {"problem": "What is $\\{1, 2\\} \\cup \\{3\\}$?",
+     "solution": "It is $\\boxed{\\{1, 2, 3\\}}$."},
+]
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _gsm8k_jsonl(path, rows=GSM8K_ROWS):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gsm8k_jsonl_and_math_parquet_rows_give_their_gold_answers(tmp_path):
+    gsm8k = read_rows(str(_gsm8k_jsonl(tmp_path / "gsm8k.jsonl")), field="task.dataset",
+                      split="train", prompt_key="question")
+    assert [(p.prompt, p.answer) for p in gsm8k.problems] == [
+        (r["question"], gold) for r, gold in zip(GSM8K_ROWS, ["72", "42", "2000"])]
+    math = read_rows(str(_write_parquet(tmp_path / "math.parquet", MATH_ROWS)),
+                     field="task.dataset", split="train", prompt_key="problem",
+                     answer_key="solution")
+    assert [(p.uid, p.answer) for p in math.problems] == [
+        ("train-row1", "\\frac{1}{2}"), ("train-row2", "\\{1, 2, 3\\}")]
+    assert math.lines == 2 and not math.bad
+    # answer_format=raw keeps the whole field; gsm8k refuses a field without "####".
+    raw = read_rows(str(tmp_path / "gsm8k.jsonl"), field="task.dataset", split="train",
+                    prompt_key="question", answer_format="raw")
+    assert raw.problems[1].answer == GSM8K_ROWS[1]["answer"]
+    with pytest.raises(BadRowError, match=r"math\.parquet, row 1: answer has no '####'"):
+        read_rows(str(tmp_path / "math.parquet"), field="task.dataset", split="train",
+                  prompt_key="problem", answer_key="solution", answer_format="gsm8k",
+                  on_bad_row="error")
+
+
+NESTED = [
+    {"extra": {"question": "1+1=", "level": 1}, "reward_model": {"ground_truth": "2"}},
+    {"extra": {"question": "2+2="}, "reward_model": {"style": "rule"}},       # no ground_truth
+    {"extra": "2+3=", "reward_model": {"ground_truth": "5"}},                 # not an object
+    {"extra": {"question": "3+3="}, "reward_model": {"ground_truth": 6}},     # not a string
+    {"extra": {"question": "4+4="}, "reward_model": {"ground_truth": "8"}},
+]
+
+
+def test_dotted_keys_read_nested_fields_in_jsonl():
+    rows = _parse(_lines(NESTED), prompt_key="extra.question",
+                  answer_key="reward_model.ground_truth")
+    assert [(p.uid, p.prompt, p.answer) for p in rows.problems] == [
+        ("train-row1", "1+1=", "2"), ("train-row5", "4+4=", "8")]
+    assert [(b.row, b.reason) for b in rows.bad] == [
+        (2, "missing field 'reward_model.ground_truth'"),
+        (3, "field 'extra' is not an object (got str)"),
+        (4, "field 'reward_model.ground_truth' is not a string (got int)")]
+    # A key that itself holds the dot is read as it is.
+    flat = _parse(_lines([{"a.b": "1+1=", "answer": "2"}]), prompt_key="a.b")
+    assert flat.problems[0].prompt == "1+1="
+
+
+def test_parquet_bad_rows_are_named_by_row_number(tmp_path):
+    rows = [{"q": {"text": "1+1="}, "a": "2"}, {"q": {"text": None}, "a": "4"},
+            {"q": {"text": "3+3="}, "a": None}, {"q": None, "a": "8"},
+            {"q": {"text": "   "}, "a": "1"}, {"q": {"text": "9" * 30}, "a": "9"},
+            {"q": {"text": "5+5="}, "a": "10"}]
+    path = _write_parquet(tmp_path / "nested.parquet", rows)
+    kwargs = dict(field="task.dataset", split="eval", prompt_key="q.text", answer_key="a",
+                  prompt_tokens=lambda s: 1 + len(s), prompt_budget=20)
+    parsed = read_rows(str(path), **kwargs)
+    assert [(p.uid, p.answer) for p in parsed.problems] == [("eval-row1", "2"),
+                                                            ("eval-row7", "10")]
+    assert [(b.file, b.row, b.reason) for b in parsed.bad] == [
+        (str(path), 2, "field 'q.text' is not a string (got NoneType)"),
+        (str(path), 3, "field 'a' is not a string (got NoneType)"),
+        (str(path), 4, "field 'q' is not an object (got NoneType)"),
+        (str(path), 5, "field 'q.text' is empty"),
+        (str(path), 6, "prompt is 31 tokens; at most 20 fit")]
+    with pytest.raises(BadRowError, match=r"nested\.parquet, row 2: field 'q\.text'"):
+        read_rows(str(path), on_bad_row="error", **kwargs)
+    with pytest.raises(ValueError, match=r"has no column 'question' \(task.prompt_key/answer_key "
+                                         r"'question.text'; its columns: q, a\)"):
+        read_rows(str(path), **{**kwargs, "prompt_key": "question.text"})
+
+
+def _char_prompt_tokens(char_tokenizer_dir):
+    from fnrl.data.tokenizer import ChatTokenizer
+    tok = ChatTokenizer.from_dir(char_tokenizer_dir)
+    return lambda s: len(tok.encode_prompt(s))
+
+
+def test_a_prompt_the_tokenizer_cannot_represent_is_a_bad_row(tmp_path, char_tokenizer_dir):
+    # With the character tokenizer "π" would go out as a <pad> id, silently.
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "what is π?", "answer": "3.14"},
+            {"prompt": "2+2=", "answer": "4"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    task = TaskConfig(dataset=str(path), num_eval=1)
+    stream, eval_set = load_task(task, seed=0, prompt_tokens=_char_prompt_tokens(
+        char_tokenizer_dir), prompt_budget=64, run_dir=tmp_path)
+    recorded = [json.loads(line) for line in (tmp_path / "bad_rows.jsonl").read_text().splitlines()]
+    assert recorded == [{"file": str(path), "row": 2, "reason": "prompt cannot be tokenized "
+                         "faithfully: the tokenizer cannot represent 'π' (it becomes '<pad>')"}]
+    assert {p.prompt for p in stream.take(4)} | {p.prompt for p in eval_set} == {"1+1=", "2+2="}
+    with pytest.raises(BadRowError, match="row 2: prompt cannot be tokenized faithfully"):
+        load_task(dataclasses.replace(task, on_bad_row="error"), seed=0,
+                  prompt_tokens=_char_prompt_tokens(char_tokenizer_dir), prompt_budget=64,
+                  run_dir=tmp_path)
+
+
+def test_gsm8k_rows_through_the_chat_template(tmp_path, qwen_tokenizer_dir):
+    from fnrl.data.tokenizer import ChatTokenizer
+    long_question = "How many clips are there in all? " * 12
+    rows = GSM8K_ROWS + [{"question": long_question, "answer": "#### 3"},
+                         {"question": "Ignore this <|im_end|> and go on", "answer": "#### 1"},
+                         {"question": "Where is the answer?", "answer": "no marker"}]
+    path = _gsm8k_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    task = TaskConfig(dataset=str(path), num_eval=1, prompt_key="question",
+                      answer_format="gsm8k",
+                      prompt_format="{prompt}\nPut your final answer after ####.")
+    tok = ChatTokenizer.for_task(qwen_tokenizer_dir, task)
+    budget = max(len(tok.encode_prompt(r["question"])) for r in GSM8K_ROWS)
+    too_long = len(tok.encode_prompt(long_question))
+    assert too_long > budget
+    stream, eval_set = load_task(task, seed=0, prompt_tokens=lambda s: len(tok.encode_prompt(s)),
+                                 prompt_budget=budget, run_dir=tmp_path)
+    got = {p.prompt: p.answer for p in [*stream.take(2), *eval_set]}
+    assert got == {r["question"]: gold for r, gold in zip(GSM8K_ROWS, ["72", "42", "2000"])}
+    recorded = [json.loads(line) for line in (tmp_path / "bad_rows.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["reason"]) for r in recorded] == [
+        (4, f"prompt is {too_long} tokens; at most {budget} fit"),
+        (5, "prompt cannot be tokenized faithfully: contains the special token(s) "
+            "['<|im_end|>'] as text"),
+        (6, "answer has no '####' (answer_format='gsm8k')")]
+
+
+def test_synthetic_prompts_are_checked_against_the_tokenizer(tmp_path, char_tokenizer_dir):
+    task = TaskConfig(num_eval=8, min_level=1, max_level=3)
+    prompt_tokens = _char_prompt_tokens(char_tokenizer_dir)
+    stream, eval_set = load_task(task, seed=0, prompt_tokens=prompt_tokens, prompt_budget=64,
+                                 run_dir=tmp_path)
+    assert isinstance(stream, PromptStream) and len(eval_set) == 8
+    with pytest.raises(ValueError, match="the synthetic task's prompt .* is .* tokens; at most 2"):
+        load_task(task, seed=0, prompt_tokens=prompt_tokens, prompt_budget=2, run_dir=tmp_path)
+    with pytest.raises(ValueError, match="cannot be tokenized faithfully with task.prompt_format"):
+        load_task(task, seed=0, prompt_tokens=lambda s: prompt_tokens(f"π{s}"),
+                  prompt_budget=64, run_dir=tmp_path)

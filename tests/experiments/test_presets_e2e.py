@@ -81,11 +81,11 @@ def test_fnrl_routes_over_two_rollouts_within_the_bound(tmp_path, cache_dir):
 
 def test_partial_rollout_continues_interrupted_trajectories_on_new_versions(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    # Longer responses (median 60 tokens, up to 120) decoded 8 at a time, so generation
-    # is slower than a train step (however loaded the machine) and trajectories are
-    # still running when the trainer publishes.
-    longer = ["--rollout.len-median", "60", "--rollout.len-max", "120", "--algo.max-new-tokens",
-              "120", "--rollout.max-num-seqs", "8"]
+    # Longer responses (median 60 tokens, up to 100: the task's prompts take up to 21 of
+    # the 128) decoded 8 at a time, so generation is slower than a train step (however
+    # loaded the machine) and trajectories are still running when the trainer publishes.
+    longer = ["--rollout.len-median", "60", "--rollout.len-max", "100", "--algo.max-new-tokens",
+              "100", "--rollout.max-num-seqs", "8"]
     assert main(["--preset", "partial_rollout", "--steps", "7", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *LONG_TAIL, *longer]) == 0
     consumed, summary = check_run(run_dir, eta=2, steps=7)

@@ -116,7 +116,7 @@ def test_command_reserves_the_sized_kv_unless_a_fraction_is_given(model_dir):
 
 
 def test_launch_refuses_before_starting_when_memory_is_short(model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(server, "_kv_in_host_memory", lambda: True)
+    monkeypatch.setattr(server, "kv_in_host_memory", lambda: True)
     monkeypatch.setattr(server, "read_host_memory", lambda: memory(1.5, 6))
     log = tmp_path / "vllm.log"
     with pytest.raises(ValueError, match=f"(?s)need 1.51 GiB.*{model_dir}.*1.50 GiB of 24"):
@@ -128,7 +128,7 @@ def test_launch_refuses_before_starting_when_memory_is_short(model_dir, tmp_path
 
 
 def test_a_gpu_build_of_vllm_is_not_checked_against_host_memory(model_dir, monkeypatch):
-    monkeypatch.setattr(server, "_kv_in_host_memory", lambda: False)
+    monkeypatch.setattr(server, "kv_in_host_memory", lambda: False)
     check_memory([spec(model_dir)], memory(0, 0))
 
 

@@ -64,9 +64,23 @@ def hf_model(model_dir, weights: dict[str, np.ndarray]):
 
 
 @torch.no_grad()
-def hf_logprobs(model, prompt: list[int], completion: tuple[int, ...]) -> np.ndarray:
+def hf_logprobs(model, prompt: list[int], completion: tuple[int, ...], *,
+                temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
+    """log μ of each completion token: softmax(logits / temperature) kept to the top_k
+    tokens, then to the smallest set of most likely ones whose mass reaches top_p, and
+    renormalised (-inf for a token outside it)."""
     ids = torch.tensor([prompt + list(completion)])
-    logp_TxV = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+    logits_TxV = model(ids).logits[0].double() / temperature
+    if top_k > 0:
+        kth_T = torch.topk(logits_TxV, top_k, dim=-1).values[:, -1:]
+        logits_TxV = logits_TxV.masked_fill(logits_TxV < kth_T, -torch.inf)
+    if top_p < 1:
+        probs_TxV, order_TxV = torch.sort(torch.softmax(logits_TxV, -1), -1, descending=True)
+        before_TxV = torch.cumsum(probs_TxV, -1) - probs_TxV   # mass of the likelier ones
+        drop_TxV = torch.zeros_like(before_TxV, dtype=torch.bool).scatter(
+            -1, order_TxV, before_TxV >= top_p)
+        logits_TxV = logits_TxV.masked_fill(drop_TxV, -torch.inf)
+    logp_TxV = torch.log_softmax(logits_TxV, dim=-1)
     positions = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
     return logp_TxV[positions, ids[0, len(prompt) :]].numpy()
 
@@ -114,22 +128,26 @@ def test_generate_returns_sampled_ids_and_their_logprobs(server_url):
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == 1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_logprobs_are_temperature_one_logprobs_of_served_weights(
-    server_url, relay_address, tiny_model_dir, base_weights, temperature
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.6),
+                                      dict(temperature=0.8, top_k=8, top_p=0.7)])
+def test_logprobs_are_those_of_the_distribution_sampled_from(
+    server_url, relay_address, tiny_model_dir, base_weights, sampling
 ):
     serve(server_url, relay_address, base_weights)
     completions = run(
-        server_url,
-        lambda c: c.generate(PROMPT, n=8, max_tokens=24, temperature=temperature, seed=7),
-    )
+        server_url, lambda c: c.generate(PROMPT, n=8, max_tokens=24, seed=7, **sampling))
     model = hf_model(tiny_model_dir, base_weights)
     for c in completions:
-        # vLLM's default logprobs_mode is raw_logprobs: log-softmax of the unscaled
-        # logits, whatever the sampling temperature.
-        np.testing.assert_allclose(
-            c.logprobs, hf_logprobs(model, PROMPT, c.token_ids), rtol=0, atol=1e-5
-        )
+        # The server's logprobs_mode is processed_logprobs: the behaviour policy μ itself.
+        expected = hf_logprobs(model, PROMPT, c.token_ids, **sampling)
+        assert np.isfinite(expected).all()     # every sampled token is inside top_k/top_p
+        np.testing.assert_allclose(c.logprobs, expected, rtol=0, atol=1e-5)
+    if "top_p" in sampling:   # truncation raised the sampled tokens' probabilities
+        raw = np.concatenate([hf_logprobs(model, PROMPT, c.token_ids,
+                                          temperature=sampling["temperature"])
+                              for c in completions])
+        assert (np.concatenate([c.logprobs for c in completions]) >= raw - 1e-6).all()
+        assert (np.concatenate([c.logprobs for c in completions]) > raw + 1e-3).any()
 
 
 def test_pull_serves_new_weights_and_forgets_cached_prefixes(

@@ -28,10 +28,14 @@ def _start_trainer(cluster, cfg_path, model_dir, relay):
     return role, client, client.call({"cmd": "init"}, timeout_s=300)
 
 
+# every=3: no checkpoint yet when the trainer is killed at version 2; the resumed one
+# replays the two logged batches from the model and must publish the same bytes.
+@pytest.mark.parametrize("checkpoint_every", [1, 3])
 def test_kill_and_resume_continues_at_the_right_step_with_identical_params(
-        tmp_path, tiny_model_dir, write_run_config):
+        tmp_path, tiny_model_dir, write_run_config, checkpoint_every):
     run_dir = tmp_path / "run"
-    cfg_path = write_run_config(run_dir, run_dir=str(run_dir))
+    cfg_path = write_run_config(run_dir, run_dir=str(run_dir),
+                                trainer={"checkpoint_every": checkpoint_every})
     cluster = Cluster(run_dir)
     try:
         relay_a = cluster.start_relay("relay_a")

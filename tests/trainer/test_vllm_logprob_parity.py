@@ -40,8 +40,10 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
                            tokenizer_dir=tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def completions(peaked_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1.0, 0.7])
+def completions(peaked_model_dir, tmp_path_factory, request):
+    """Samples at temperature 1 and 0.7: vLLM returns the log-probs of the distribution
+    it sampled from, which the trainer computes as softmax(logits / T)."""
     spec = ServerSpec(model_dir=str(peaked_model_dir), port=free_port(), max_model_len=32,
                       max_num_seqs=16)
     proc = launch_server(spec, tmp_path_factory.mktemp("vllm") / "vllm.log")
@@ -50,23 +52,25 @@ def completions(peaked_model_dir, tmp_path_factory):
     async def sample():
         async with aiohttp.ClientSession() as session:
             client = RolloutClient(spec.base_url, session)
-            return await asyncio.gather(*[client.generate(p, n=4, max_tokens=12, temperature=1.0,
-                                                          seed=i) for i, p in enumerate(prompts)])
+            return await asyncio.gather(*[client.generate(p, n=4, max_tokens=12,
+                                                          temperature=request.param, seed=i)
+                                          for i, p in enumerate(prompts)])
     try:
         wait_ready(spec.base_url, proc, timeout_s=300)
-        return prompts, asyncio.run(sample())
+        return prompts, asyncio.run(sample()), request.param
     finally:
         stop_server(proc)
 
 
 def test_trainer_logprobs_match_vllm_within_1e3(peaked_model_dir, completions):
-    prompts, groups = completions
+    prompts, groups, temperature = completions
     _, graphdef, params = load_pretrained(peaked_model_dir)
     diffs, values = [], []
     for prompt, group in zip(prompts, groups):
         for c in group:
             tokens = np.array(prompt + c.token_ids, np.int32)[None]
-            logp = np.asarray(token_logprobs(graphdef, params, tokens[:, :-1], tokens[:, 1:]))[0]
+            logp = np.asarray(token_logprobs(graphdef, params, tokens[:, :-1], tokens[:, 1:],
+                                             temperature=temperature))[0]
             ours = logp[len(prompt) - 1:]
             diffs.extend(np.abs(ours - np.array(c.logprobs)))
             values.extend(c.logprobs)
@@ -77,10 +81,10 @@ def test_trainer_logprobs_match_vllm_within_1e3(peaked_model_dir, completions):
 
 
 def test_train_step_reports_the_mismatch(peaked_model_dir, completions):
-    prompts, groups = completions
+    prompts, groups, temperature = completions
     samples = [[Sample(p, c.token_ids, c.logprobs, (0,) * len(c.token_ids), float(i % 2))
                 for i, c in enumerate(group)] for p, group in zip(prompts, groups)]
-    algo = AlgoConfig(group_size=4, groups_per_step=4, max_new_tokens=12)
+    algo = AlgoConfig(group_size=4, groups_per_step=4, max_new_tokens=12, temperature=temperature)
     batch, _ = build_batch(samples, algo=algo, trainer=TrainerConfig(), seq_len=24, pad_id=0)
     _, graphdef, params = load_pretrained(peaked_model_dir)
     opt = make_optimizer(algo)

@@ -1,0 +1,159 @@
+"""The main job on a real model's shape: peak memory of every role, and step time.
+
+    python benchmarks/real_model.py                      # Qwen2.5-0.5B-shaped, 3 steps
+    python benchmarks/real_model.py --steps 2 --max-new-tokens 1024 --dtype bfloat16
+
+Builds a random checkpoint with Qwen2.5-0.5B's real config (vocab 151,936, 24 layers,
+tied embeddings; `fnrl.models.synthetic.QWEN25_05B`) and a byte-level BPE tokenizer
+with Qwen's chat template (no hub), writes a GSM8K-format JSONL, and runs
+`python -m fnrl.experiments.math_grpo` on it as a user would. Meanwhile it samples, twice
+a second, the resident memory of each role's whole process group (a vLLM server and its
+engine core; the trainer; each relay) and the relays' shared-memory segments, and prints
+the peak of each beside the memory plan the job printed at start, then the step times
+from the run's metrics. Random weights rarely emit a stop token, so every response runs
+to the token limit: the longest generation the limit allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fnrl.models.synthetic import QWEN25_05B, build_bpe_tokenizer, write_checkpoint  # noqa: E402
+
+GIB = 2**30
+
+
+def gsm8k_rows(n: int) -> list[dict]:
+    return [{"question": f"Tina has {10 + i} apples and buys {i % 7 + 2} more. How many "
+                         "apples does she have now?",
+             "answer": f"{10 + i} + {i % 7 + 2} = {12 + i + i % 7}\n#### {12 + i + i % 7}"}
+            for i in range(n)]
+
+
+class RoleSampler:
+    """Peak RSS per role (summed over its process group) and peak relay shared memory."""
+
+    def __init__(self, run_dir: Path, period_s: float = 0.5):
+        self.run_dir, self.period_s = run_dir, period_s
+        self.peak: dict[str, int] = {}
+        self.shm_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _roles(self) -> dict[str, int]:
+        try:
+            return {name: int(info["pid"]) for name, info in
+                    json.loads((self.run_dir / "roles.json").read_text()).items()}
+        except (OSError, ValueError):
+            return {}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            roles = self._roles()
+            by_group: dict[int, int] = {}
+            for p in psutil.process_iter(["pid"]):
+                try:
+                    pgid = os.getpgid(p.pid)
+                    if pgid in roles.values():
+                        by_group[pgid] = by_group.get(pgid, 0) + p.memory_info().rss
+                except (psutil.Error, ProcessLookupError, PermissionError):
+                    continue
+            for name, pid in roles.items():
+                self.peak[name] = max(self.peak.get(name, 0), by_group.get(pid, 0))
+            relay_pids = {str(pid) for name, pid in roles.items() if name.startswith("relay")}
+            shm = 0
+            for entry in os.scandir("/dev/shm"):
+                if any(pid in entry.name for pid in relay_pids):
+                    try:
+                        shm += entry.stat().st_size
+                    except OSError:
+                        pass
+            self.shm_peak = max(self.shm_peak, shm)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--work-dir", default="", help="where the checkpoint and run go "
+                        "(default: a temporary directory, removed at the end)")
+    parser.add_argument("extra", nargs="*", help="more flags for the main job (after --)")
+    args = parser.parse_args()
+
+    tmp = None if args.work_dir else tempfile.TemporaryDirectory(prefix="fnrl-real-model-")
+    work = Path(args.work_dir or tmp.name)
+    try:
+        model_dir = work / "qwen2.5-0.5b-shaped"
+        if not (model_dir / "config.json").exists():
+            t0 = time.perf_counter()
+            tok = build_bpe_tokenizer(work / "tokenizer")
+            write_checkpoint(model_dir, "qwen2", seed=0, dtype=args.dtype, tokenizer_dir=tok,
+                             **QWEN25_05B)
+            print(f"wrote a random Qwen2.5-0.5B-shaped checkpoint ({args.dtype}) in "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+        data = work / "gsm8k.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(64)))
+        run_dir = work / "run"
+        argv = [sys.executable, "-m", "fnrl.experiments.math_grpo", "--preset", "laminar",
+                "--steps", str(args.steps), "--eval-every", str(10 * args.steps),
+                "--run-dir", str(run_dir), "--no-resume", "--model.model-dir", str(model_dir),
+                "--task.dataset", str(data), "--task.prompt-key", "question",
+                "--task.num-eval", "4", "--algo.group-size", str(args.group_size),
+                "--algo.groups-per-step", str(args.groups_per_step),
+                "--rollout.groups-per-batch", str(args.groups_per_step),
+                "--algo.max-new-tokens", str(args.max_new_tokens), *args.extra]
+        print("$ " + " ".join(argv[1:]), flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with RoleSampler(run_dir) as sampler:
+            code = subprocess.call(argv, cwd=ROOT)
+        wall = time.perf_counter() - t0
+        print(f"\nmain job exited with {code} after {wall:.0f}s")
+        print(f"{'role':<12}{'peak RSS GiB':>14}")
+        for name, peak in sorted(sampler.peak.items()):
+            print(f"{name:<12}{peak / GIB:>14.2f}")
+        print(f"{'relay shm':<12}{sampler.shm_peak / GIB:>14.2f}  (segments under /dev/shm)")
+        metrics = run_dir / "metrics.jsonl"
+        train = [r for r in map(json.loads, metrics.read_text().splitlines())
+                 if r.get("kind") == "train"] if metrics.exists() else []
+        previous = 0.0
+        for r in train:
+            # time/train_s: the trainer's step (forward, backward, update, checkpoint hand-off);
+            # wall: since the previous step ended (generation of the batch included).
+            print(f"step {r['step']}: trainer {r.get('time/train_s', float('nan')):.1f}s, "
+                  f"{r.get('tokens', 0)} tokens, mean response {r.get('response_len_mean', 0):.0f}"
+                  f" tokens, wall {r['wall_s'] - previous:.1f}s")
+            previous = r["wall_s"]
+        return code
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

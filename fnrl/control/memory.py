@@ -1,0 +1,142 @@
+"""The job's memory plan: what every role will take, checked before any role starts.
+
+    plan = plan_memory(model_cfg, cfg, context_len=cfg.model.context_len(mpe))
+    print(plan.table())
+    check_plan(plan, available_bytes=read_host_memory().available_bytes)
+
+Pure arithmetic from the model's config and the run's (no files, no processes):
+  trainer  fnrl.trainer.memory (params, moments, gradients, activations, logits, ...),
+           twice with a warm standby (`faults.trainer_standby`);
+  relays   shared memory: each relay holds `relay.keep_versions` complete versions plus
+           the one being filled (which becomes its spare), the master also the trainer's
+           `relay.inbox_slots` hand-off slots (fnrl.relay.role); a version is the model's
+           weights in the servers' dtype (`rollout.dtype`);
+  servers  the weights in `rollout.dtype`, the KV cache (sized as fnrl.serving.server
+           reserves it: `kv_reservation_bytes`, or node 0's total × kv_memory_fraction)
+           and the process (`SERVER_PROCESS_BYTES`); on GPU builds the KV is on the device
+           (`kv_in_host=False`);
+  the controller process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fnrl.config import RunConfig
+from fnrl.models.decoder import DecoderConfig
+from fnrl.serving.server import (DTYPE_BYTES, SERVER_PROCESS_BYTES, kv_bytes_per_token,
+                                 kv_reservation_bytes)
+from fnrl.trainer.memory import param_count, trainer_memory
+
+GIB = 2**30
+CONTROLLER_BYTES = 2**29
+"""The controller process (Python, the tokenizer, the trajectory table): 0.5 GiB."""
+RELAY_PROCESS_BYTES = 2**28
+"""A relay process besides its shared memory (Python, ZeroMQ, UCX): 0.25 GiB."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoleMemory:
+    """One role's figures: (what, bytes) items and the peak they add up to."""
+
+    role: str
+    items: tuple[tuple[str, int], ...]
+    peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    roles: tuple[RoleMemory, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.peak_bytes for r in self.roles)
+
+    def table(self) -> str:
+        """One printable table: each role's items and peak, then the total."""
+        rows = []
+        for r in self.roles:
+            rows.append((r.role, "peak", r.peak_bytes))
+            rows.extend(("", what, b) for what, b in r.items)
+        width = max(len(what) for _, what, _ in rows)
+        lines = ["a trainer's peak is what stays plus the largest of its phases "
+                 "(backward, update, after step), not the sum of its lines",
+                 f"{'role':<10} {'what':<{width}} {'GiB':>8}"]
+        lines += [f"{role:<10} {what:<{width}} {b / GIB:>8.2f}" for role, what, b in rows]
+        lines.append(f"{'total':<10} {'':<{width}} {self.total_bytes / GIB:>8.2f}")
+        return "\n".join(lines)
+
+
+def trainer_batch_shape(cfg: RunConfig, context_len: int) -> tuple[int, int]:
+    """(rows, length) of the largest batch the trainer can be sent: pack_rows or the
+    whole batch's rows, at the longest length bucket the context allows."""
+    rows = cfg.trainer.pack_rows or cfg.batch_size
+    buckets = [b for b in cfg.trainer.length_buckets if b <= context_len]
+    return rows, (max(buckets) if buckets else context_len)
+
+
+def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
+                kv_in_host: bool = True, node_total_bytes: int | None = None) -> MemoryPlan:
+    """Every role's memory for `cfg` with `model`, sequences of up to `context_len`
+    tokens. `node_total_bytes` (NUMA node 0's MemTotal) is needed only when
+    rollout.kv_memory_fraction is set."""
+    rows, length = trainer_batch_shape(cfg, context_len)
+    tm = trainer_memory(model, cfg.trainer, cfg.algo, rows=rows, length=length,
+                        serve_dtype=cfg.rollout.dtype)
+    trainer_items = tm.items
+    peak = tm.peak_bytes
+    roles = [RoleMemory(role="trainer", items=trainer_items, peak_bytes=peak)]
+    if cfg.faults.trainer_standby:
+        roles.append(RoleMemory(role="standby", items=(("a second trainer", peak),),
+                                peak_bytes=peak))
+    version = param_count(model) * DTYPE_BYTES[cfg.rollout.dtype]
+    for r in range(cfg.relay.num_relays):
+        items = [(f"{cfg.relay.keep_versions} versions + 1 filling ({cfg.rollout.dtype})",
+                  (cfg.relay.keep_versions + 1) * version)]
+        if r == 0:
+            items.append((f"{cfg.relay.inbox_slots} inbox slots (master)",
+                          cfg.relay.inbox_slots * version))
+        items.append(("process", RELAY_PROCESS_BYTES))
+        roles.append(RoleMemory(role=f"relay{r}", items=tuple(items),
+                                peak_bytes=sum(b for _, b in items)))
+    for s in range(cfg.rollout.num_servers):
+        roles.append(_server(model, cfg, context_len, kv_in_host, node_total_bytes, s))
+    roles.append(RoleMemory(role="controller", items=(("process", CONTROLLER_BYTES),),
+                            peak_bytes=CONTROLLER_BYTES))
+    return MemoryPlan(roles=tuple(roles))
+
+
+def _server(model, cfg, context_len, kv_in_host, node_total_bytes, index) -> RoleMemory:
+    ro = cfg.rollout
+    weights = param_count(model) * DTYPE_BYTES[ro.dtype]
+    if ro.kv_memory_fraction and kv_in_host:
+        if node_total_bytes is None:
+            raise ValueError("rollout.kv_memory_fraction is set: the plan needs node 0's "
+                             "MemTotal (node_total_bytes)")
+        # vLLM's start check: the fraction of node 0's total covers the whole process.
+        whole = math.ceil(node_total_bytes * ro.kv_memory_fraction)
+        items = ((f"kv_memory_fraction={ro.kv_memory_fraction:g} of node 0 (all of it)", whole),)
+    else:
+        kv = kv_reservation_bytes(bytes_per_token=kv_bytes_per_token(model.to_hf(), ro.dtype),
+                                  max_num_seqs=ro.max_num_seqs, max_model_len=context_len)
+        items = ((f"weights ({ro.dtype})", weights),
+                 (f"KV {ro.max_num_seqs} seqs x {context_len} tokens", kv if kv_in_host else 0),
+                 ("process", SERVER_PROCESS_BYTES))
+    return RoleMemory(role=f"server{index}", items=items, peak_bytes=sum(b for _, b in items))
+
+
+def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
+    """Raises ValueError naming every figure if the plan needs more than
+    `available_bytes` (MemAvailable now, before any role starts)."""
+    if plan.total_bytes <= available_bytes:
+        return
+    each = "; ".join(f"{r.role} {r.peak_bytes / GIB:.2f} GiB ("
+                     + ", ".join(f"{what} {b / GIB:.2f}" for what, b in r.items) + ")"
+                     for r in plan.roles)
+    raise ValueError(
+        f"the job needs {plan.total_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} GiB "
+        f"is available: {each}. To fit: --trainer.logprob-chunk (e.g. 1024), "
+        "--trainer.remat, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
+        "--model.max-seq-len, --rollout.dtype bfloat16, --rollout.max-num-seqs, "
+        "--relay.keep-versions 1, fewer servers or relays.")

@@ -1,0 +1,53 @@
+"""A stop signal stops every role from the handler, before anything unwinds, and a
+repeated one cannot cut that stop short (the slow runs of the main job are in
+test_cluster_lifetime.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from fnrl.control.roles import Cluster, RoleProcess, Stopped
+from fnrl.shell import procs
+
+
+def _sleeper(cluster: Cluster, name: str) -> RoleProcess:
+    log = cluster.run_dir / "logs" / f"{name}.log"
+    proc = procs.spawn([sys.executable, "-c", "import time; time.sleep(600)"], log)
+    return cluster._add(RoleProcess(name, proc, log, ""))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_stops_the_roles_then_raises_stopped(tmp_path, sig):
+    cluster = Cluster(tmp_path)
+    role = _sleeper(cluster, "worker")
+    before = signal.getsignal(sig)
+    restore = cluster.stop_on_signals()
+    try:
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), sig)
+        assert stopped.value.signum == sig
+        assert role.proc.poll() is not None   # stopped before anything unwound
+        assert "was killed by fnrl with SIGTERM" in procs.exit_reason(role.proc)
+        os.kill(os.getpid(), sig)             # while (after) stopping: ignored
+    finally:
+        restore()
+        cluster.stop()
+    assert signal.getsignal(sig) is before
+
+
+def test_a_signal_ignored_before_stays_ignored(tmp_path):
+    cluster = Cluster(tmp_path)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)     # as under nohup
+    try:
+        restore = cluster.stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        restore()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
+        cluster.stop()

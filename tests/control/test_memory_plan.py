@@ -1,0 +1,78 @@
+"""The job's memory plan: figures by hand for every role, and the check that names them."""
+
+import dataclasses
+
+import pytest
+
+from fnrl.config import (FaultConfig, RelayConfig, RolloutConfig, RunConfig, TrainerConfig)
+from fnrl.control.memory import (CONTROLLER_BYTES, RELAY_PROCESS_BYTES, check_plan,
+                                 plan_memory, trainer_batch_shape)
+from fnrl.serving.server import SERVER_PROCESS_BYTES
+from fnrl.models.decoder import DecoderConfig
+from fnrl.trainer.memory import param_count, trainer_memory
+
+TINY = DecoderConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                     tie_word_embeddings=True)
+N = 2024   # its parameters, counted by hand in tests/trainer/test_trainer_memory.py
+
+
+def _cfg(**kw) -> RunConfig:
+    return RunConfig(rollout=RolloutConfig(num_servers=2, max_num_seqs=4, dtype="bfloat16"),
+                     relay=RelayConfig(num_relays=2, keep_versions=2, inbox_slots=2),
+                     trainer=TrainerConfig(length_buckets=(8, 64)), **kw)
+
+
+def test_every_role_by_hand():
+    assert param_count(TINY) == N
+    cfg = _cfg()
+    plan = plan_memory(TINY, cfg, context_len=8)
+    roles = {r.role: r for r in plan.roles}
+    assert list(roles) == ["trainer", "relay0", "relay1", "server0", "server1", "controller"]
+    # The trainer's largest batch: all its rows at the longest bucket within the context.
+    assert trainer_batch_shape(cfg, 8) == (cfg.batch_size, 8)
+    assert trainer_batch_shape(cfg, 100) == (cfg.batch_size, 64)
+    assert roles["trainer"].peak_bytes == trainer_memory(
+        TINY, cfg.trainer, cfg.algo, rows=cfg.batch_size, length=8,
+        serve_dtype="bfloat16").peak_bytes
+    version = 2 * N   # bfloat16 weights
+    assert roles["relay0"].peak_bytes == 3 * version + 2 * version + RELAY_PROCESS_BYTES
+    assert roles["relay1"].peak_bytes == 3 * version + RELAY_PROCESS_BYTES
+    # KV: 2 layers x (K, V) x 1 kv head x 4 dims x 2 bytes = 32 bytes a token; 4 sequences
+    # of one 128-token block, + 10% rounded up = 5, + vLLM's null block = 6 blocks.
+    assert dict(roles["server0"].items) == {"weights (bfloat16)": version,
+                                            "KV 4 seqs x 8 tokens": 6 * 128 * 32,
+                                            "process": SERVER_PROCESS_BYTES}
+    assert roles["controller"].peak_bytes == CONTROLLER_BYTES
+    assert plan.total_bytes == sum(r.peak_bytes for r in plan.roles)
+    table = plan.table()
+    assert "relay0" in table and "KV 4 seqs x 8 tokens" in table and "total" in table
+
+
+def test_a_standby_doubles_the_trainer_and_gpu_kv_is_not_host_memory():
+    plan = plan_memory(TINY, _cfg(faults=FaultConfig(trainer_standby=True)), context_len=8,
+                       kv_in_host=False)
+    roles = {r.role: r for r in plan.roles}
+    assert roles["standby"].peak_bytes == roles["trainer"].peak_bytes
+    assert dict(roles["server1"].items)["KV 4 seqs x 8 tokens"] == 0
+
+
+def test_kv_memory_fraction_takes_its_share_of_node_0():
+    cfg = dataclasses.replace(_cfg(), rollout=RolloutConfig(num_servers=1, kv_memory_fraction=0.25))
+    with pytest.raises(ValueError, match="node_total_bytes"):
+        plan_memory(TINY, cfg, context_len=8)
+    plan = plan_memory(TINY, cfg, context_len=8, node_total_bytes=8 * 2**30)
+    assert {r.role: r.peak_bytes for r in plan.roles}["server0"] == 2 * 2**30
+
+
+def test_the_check_names_every_figure_when_it_does_not_fit():
+    plan = plan_memory(TINY, _cfg(), context_len=8)
+    check_plan(plan, available_bytes=plan.total_bytes)   # exactly enough
+    with pytest.raises(ValueError) as err:
+        check_plan(plan, available_bytes=plan.total_bytes - 1)
+    msg = str(err.value)
+    for r in plan.roles:
+        assert r.role in msg
+        for what, _ in r.items:
+            assert what in msg
+    assert "--trainer.logprob-chunk" in msg

@@ -1,0 +1,102 @@
+"""The warm start's packed supervised step and its greedy check, on a random tiny model."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnrl.config import ModelConfig
+from fnrl.data.arith import (BOS, EOS, PAD, PromptStream, build_tokenizer, eval_problems,
+                             solution)
+from fnrl.experiments.warm_start import (encode_prompt, greedy_solves, model_argmax,
+                                         model_config, pack_rows)
+from fnrl.models.decoder import init_model
+from fnrl.trainer.step import pack_sequences, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = build_tokenizer()
+    ids = {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)}
+    cfg = model_config(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1,
+                                   max_position_embeddings=128), 112, ids)
+    graphdef, params = init_model(cfg, seed=0)
+    return tok, ids, graphdef, params
+
+
+def _demos(tok, ids, n, shorter_than=80):
+    problems = [p for p in PromptStream(0, 1, 3, held_out=frozenset()).take(200)
+                if len(solution(p.prompt)) < shorter_than][:n]
+    assert len(problems) == n
+    return [(encode_prompt(tok, p.prompt),
+             tok.encode(solution(p.prompt), add_special_tokens=False).ids + [ids[EOS]])
+            for p in problems]
+
+
+def test_packed_rows_score_each_demonstration_as_if_alone(tiny):
+    tok, ids, graphdef, params = tiny
+    demos = _demos(tok, ids, 7, shorter_than=50)
+    packed, used = pack_rows(demos, rows=4, width=128, pad_id=ids[PAD])
+    assert used == 7 and packed["segment_ids_BxT"].max() == 7
+    assert len(set(packed["segment_ids_BxT"][0].tolist()) - {0}) >= 2   # rows are shared
+    logp_packed = token_logprobs(graphdef, params, packed["input_BxT"], packed["target_BxT"],
+                                 packed["positions_BxT"], packed["segment_ids_BxT"])
+    alone = pack_sequences([tuple(p) for p, _ in demos], [tuple(r) for _, r in demos], 128,
+                           ids[PAD])
+    logp_alone = token_logprobs(graphdef, params, alone["input_BxT"], alone["target_BxT"])
+    # Same response tokens, same log-probs: packing neither leaks across demonstrations
+    # nor shifts positions.
+    assert packed["mask_BxT"].sum() == alone["mask_BxT"].sum()
+    np.testing.assert_allclose(np.sort(np.asarray(logp_packed)[packed["mask_BxT"] > 0]),
+                               np.sort(np.asarray(logp_alone)[alone["mask_BxT"] > 0]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(jnp.sum(logp_packed * packed["mask_BxT"])),
+                               float(jnp.sum(logp_alone * alone["mask_BxT"])), rtol=1e-5)
+
+
+def test_packing_stops_at_full_rows_and_refuses_what_never_fits(tiny):
+    tok, ids, *_ = tiny
+    demos = _demos(tok, ids, 12)
+    packed, used = pack_rows(demos, rows=1, width=128, pad_id=ids[PAD])
+    assert 0 < used < 12
+    assert sum(len(p) + len(r) - 1 for p, r in demos[:used]) <= 128
+    assert sum(len(p) + len(r) - 1 for p, r in demos[:used + 1]) > 128
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        pack_rows([([ids[BOS]] * 100, [5] * 100)], rows=1, width=128, pad_id=ids[PAD])
+
+
+def test_greedy_check_finds_where_greedy_leaves_the_solution(tiny):
+    tok, ids, graphdef, params = tiny
+    problems = [p for p in eval_problems(0, 200, 1, 3) if len(solution(p.prompt)) < 100][:40]
+    assert len(problems) == 40   # two chunks of 32 rows
+    seqs = [encode_prompt(tok, p.prompt)
+            + tok.encode(solution(p.prompt), add_special_tokens=False).ids + [ids[EOS]]
+            for p in problems]
+    zero, seven = tok.token_to_id("0"), tok.token_to_id("7")
+
+    def oracle(tokens_BxT):
+        """Greedy that writes the gold next token, except: the teacher's slip ("0" for
+        EOS) on problems 1 and 33, a wrong character mid-way on problem 2."""
+        out = np.full(tokens_BxT.shape, ids[PAD], np.int32)
+        for i, row in enumerate(tokens_BxT):
+            k = next((k for k, seq in enumerate(seqs) if list(row[:len(seq) - 1]) == seq[:-1]),
+                     None)
+            if k is None:   # a padding row
+                continue
+            out[i, :len(seqs[k]) - 1] = seqs[k][1:]
+            if k in (1, 33):
+                out[i, len(seqs[k]) - 2] = zero
+            if k == 2:
+                out[i, len(seqs[k]) // 2] = seven if seqs[k][len(seqs[k]) // 2 + 1] != seven else zero
+        return out
+
+    solved, answered = greedy_solves(oracle, tok, problems, width=128)
+    expected_solved = np.ones(40, bool)
+    expected_solved[[1, 2, 33]] = False
+    expected_answered = expected_solved.copy()
+    expected_answered[[1, 33]] = True
+    np.testing.assert_array_equal(solved, expected_solved)
+    np.testing.assert_array_equal(answered, expected_answered)
+    # The real model's argmax: a random model writes no worked solution.
+    solved, _ = greedy_solves(model_argmax(graphdef, params), tok, problems[:4], width=128)
+    assert not solved.any()
