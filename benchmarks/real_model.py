@@ -100,6 +100,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
+                        help="decoder layers (fewer for a quick check of the script)")
     parser.add_argument("--work-dir", default="", help="where the checkpoint and run go "
                         "(default: a temporary directory, removed at the end)")
     parser.add_argument("extra", nargs="*", help="more flags for the main job (after --)")
@@ -108,12 +110,12 @@ def main() -> int:
     tmp = None if args.work_dir else tempfile.TemporaryDirectory(prefix="fnrl-real-model-")
     work = Path(args.work_dir or tmp.name)
     try:
-        model_dir = work / "qwen2.5-0.5b-shaped"
+        model_dir = work / f"qwen2.5-0.5b-shaped-{args.layers}l-{args.dtype}"
         if not (model_dir / "config.json").exists():
             t0 = time.perf_counter()
             tok = build_bpe_tokenizer(work / "tokenizer")
             write_checkpoint(model_dir, "qwen2", seed=0, dtype=args.dtype, tokenizer_dir=tok,
-                             **QWEN25_05B)
+                             **{**QWEN25_05B, "num_hidden_layers": args.layers})
             print(f"wrote a random Qwen2.5-0.5B-shaped checkpoint ({args.dtype}) in "
                   f"{time.perf_counter() - t0:.0f}s", flush=True)
         data = work / "gsm8k.jsonl"

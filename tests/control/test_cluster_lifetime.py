@@ -122,6 +122,21 @@ def descendants(pids) -> set[int]:
     return found
 
 
+def _foreground_signals() -> None:
+    # As a job started at a terminal: a shell starts background commands (and so this
+    # test run, when it is one) with SIGINT ignored, and the job rightly keeps an ignored
+    # signal ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Job:
     """`python -m fnrl.experiments.math_grpo` in a run directory of the test's own; every
     process and shared-memory name it makes is noted while it runs."""
@@ -131,8 +146,8 @@ class Job:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fnrl.experiments.math_grpo", "--run-dir", str(self.run_dir),
              "--warm-start.cache-dir", str(cache_dir), *JOB_FLAGS, *flags],
-            stdout=open(self.out, "w"), stderr=subprocess.STDOUT)
-        self.pids: set[int] = set()
+            stdout=open(self.out, "w"), stderr=subprocess.STDOUT, preexec_fn=_foreground_signals)
+        self.pids: dict[int, int] = {}      # pid -> its start time (a reused pid is not ours)
         self.relays: set[tuple[str, int]] = set()
         self.semaphores: set[str] = set()
 
@@ -142,7 +157,10 @@ class Job:
     def note(self) -> None:
         """Everything the job runs now: its processes, its relays, its servers' semaphores."""
         roles = {n: int(i["pid"]) for n, i in self.roles().items()}
-        self.pids |= descendants([self.proc.pid, *roles.values()])
+        for pid in descendants([self.proc.pid, *roles.values()]) - set(self.pids):
+            started = start_time(pid)
+            if started is not None:
+                self.pids[pid] = started
         self.relays |= {(n, pid) for n, pid in roles.items() if n.startswith("relay")}
         for name, pid in roles.items():
             if name.startswith("rollout"):
@@ -163,12 +181,15 @@ class Job:
         return metrics.exists() and '"kind": "train"' in metrics.read_text()
 
     def leftovers(self) -> tuple[list[int], list[str]]:
-        alive_pids = [p for p in self.pids if alive(p) and p != os.getpid()]
+        # A pid counts only while it names the same process: on a busy machine an exited
+        # helper's pid is soon reused by somebody else's process.
+        alive_pids = [p for p, t in self.pids.items()
+                      if p != os.getpid() and alive(p) and start_time(p) == t]
         shm = segments(self.relays) + [s for s in self.semaphores if os.path.exists(s)]
         return alive_pids, shm
 
-    def assert_nothing_left(self) -> None:
-        assert self.relays and self.semaphores      # the job did make them
+    def assert_nothing_left(self, *, semaphores: bool = True) -> None:
+        assert self.relays and (self.semaphores or not semaphores)   # the job made them
         wait_until(lambda: self.leftovers() == ([], []), 60)
 
     def close(self) -> None:
@@ -196,15 +217,17 @@ def job_factory(tmp_path, cache_dir):
 
 def test_ctrl_c_during_the_servers_start_stops_every_role_at_once(job_factory):
     job = job_factory()
-    job.wait_for(lambda: "trainer ready" in job.log() and job.semaphores)
-    assert "server(s) ready" not in job.log()    # vLLM still starting (about a minute here)
-    t0 = time.monotonic()
+    # As soon as the server process exists: its start takes 20-60 s here, its semaphores
+    # appear only part way through it (noted if they do, and then checked as well).
+    job.wait_for(lambda: "trainer ready" in job.log() and "rollout0" in job.roles())
+    assert "server(s) ready" not in job.log()
     job.proc.send_signal(signal.SIGINT)
-    # It used to wait for the whole server start before stopping anything.
-    assert job.proc.wait(timeout=30) == 130, job.log()[-3000:]
-    assert time.monotonic() - t0 < 30
+    # It used to wait for the whole server start before stopping anything: now the job
+    # ends with the server never ready (the timeout only guards against a hang).
+    assert job.proc.wait(timeout=300) == 130, job.log()[-3000:]
+    assert "server(s) ready" not in job.log()
     assert "stopped by SIGINT; every role is stopped" in job.log()
-    job.assert_nothing_left()
+    job.assert_nothing_left(semaphores=False)
 
 
 def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
@@ -217,7 +240,7 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
     job.wait_for(lambda: faults.exists() and '"recovered"' in faults.read_text()
                  and '"rollout0"' in faults.read_text())
     job.proc.send_signal(signal.SIGINT)
-    assert job.proc.wait(timeout=60) == 130, job.log()[-3000:]
+    assert job.proc.wait(timeout=300) == 130, job.log()[-3000:]
     job.assert_nothing_left()
 
 
@@ -226,5 +249,5 @@ def test_a_terminated_or_killed_controller_mid_run_leaves_nothing(job_factory, s
     job = job_factory()
     job.wait_for(job.trained)
     job.proc.send_signal(sig)
-    assert job.proc.wait(timeout=60) == code, job.log()[-3000:]
+    assert job.proc.wait(timeout=300) == code, job.log()[-3000:]
     job.assert_nothing_left()
