@@ -42,8 +42,18 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSON-lines file (a torn last line is skipped); [] when
+    there is no such file."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def response_lengths(run_dir: Path) -> np.ndarray:
@@ -52,7 +62,7 @@ def response_lengths(run_dir: Path) -> np.ndarray:
     path = run_dir / "trajectories.jsonl"
     if not path.exists():
         return np.zeros(0, np.int64)
-    return np.array([sum(n for _, n in t["segments"]) for group in read_metrics(path)
+    return np.array([sum(n for _, n in t["segments"]) for group in read_jsonl(path)
                      for t in group["trajectories"]], np.int64)
 
 
@@ -74,7 +84,7 @@ def plot_run(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     # (A step trained while no controller ran has a record without the step's metrics.)
     train = [r for r in records if r["kind"] == "train" and "reward_mean" in r]
     evals = [r for r in records if r["kind"] == "eval"]

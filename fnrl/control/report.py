@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from fnrl.control.book import Book
+from fnrl.control.metrics import read_jsonl
 
 # Counters every preset reports, so runs compare key for key.
 COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
@@ -31,11 +32,16 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
 
 
 def utilization(book: Book, rollouts: Sequence, wall_s: float) -> dict:
-    """Idle ratios and KV use over the loop's RL time (its wall time less evaluations)."""
+    """Idle ratios and KV use over the loop's RL time (its wall time less evaluations).
+
+    The trainer's idle share is over the whole wall time: held-out evaluation runs on a
+    rollout beside training, so train calls go on during it (over RL time alone the
+    share went negative whenever the trainer was the bottleneck)."""
     rl_wall = max(wall_s - book.time["eval_s"], 1e-9)
     active = np.array([r.active_s for r in rollouts])
     kv = np.array([r.kv_token_s / max(r.kv_capacity, 1.0) for r in rollouts])
-    return {"rl_wall_s": rl_wall, "trainer_idle_frac": 1.0 - book.time["train_call_s"] / rl_wall,
+    trainer_busy = min(book.time["train_call_s"] / max(wall_s, 1e-9), 1.0)
+    return {"rl_wall_s": rl_wall, "trainer_idle_frac": 1.0 - trainer_busy,
             "rollout_idle_frac": float(np.mean(1.0 - np.minimum(active / rl_wall, 1.0))),
             "kv_util": float(np.mean(kv / rl_wall)),
             "trained_tokens_total": book.trained_tokens,
@@ -120,16 +126,3 @@ def across_attempts(run_dir: Path) -> dict:
             "consumed_groups_all": len(read_jsonl(run_dir / "trajectories.jsonl")),
             "train_records_all": sum(r.get("kind") == "train"
                                      for r in read_jsonl(run_dir / "metrics.jsonl"))}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete records of a JSON-lines file (a torn last line is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -35,7 +35,7 @@ import numpy as np
 
 from fnrl.control.book import Book, Services
 from fnrl.control.handles import RoleError, Roles, ServerError
-from fnrl.control.report import read_jsonl
+from fnrl.control.metrics import read_jsonl
 from fnrl.policy import faults as F
 
 HEARTBEAT_S = 1.0

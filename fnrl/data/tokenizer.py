@@ -21,13 +21,13 @@ The dataset reader makes that a bad row.
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from fnrl.config.run import TaskConfig
+from fnrl.shell.files import read_json_if_present
 
 
 class UnrepresentablePrompt(ValueError):
@@ -35,8 +35,7 @@ class UnrepresentablePrompt(ValueError):
 
 
 def _generation_config(model_dir: Path) -> dict:
-    path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json_if_present(model_dir / "generation_config.json") or {}
 
 
 def _ids(value: Any) -> list[int]:

@@ -27,6 +27,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
+from fnrl.shell.files import read_json_if_present
 
 __all__ = ["TOKENIZER_FILES", "check_model_dir", "hf_to_params", "init_model",
            "iter_hf_tensors", "load_pretrained", "params_to_hf", "read_generation_config",
@@ -229,13 +230,7 @@ def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
 def read_generation_config(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The checkpoint's `generation_config.json` as a dict (eos ids, sampling defaults),
     or None when it has none."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    return read_json_if_present(Path(model_dir) / "generation_config.json")
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> None:

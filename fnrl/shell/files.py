@@ -1,9 +1,12 @@
-"""Files the roles share: atomic replacement, and the tail of a log for error messages."""
+"""Files the roles share: atomic replacement, the tail of a log for error messages, and
+optional JSON files (a checkpoint's generation_config.json)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 # Enough for the last lines of a Python traceback without reading a long vLLM log whole.
 _TAIL_BYTES = 16_384
@@ -34,3 +37,15 @@ def log_tail(path: str | os.PathLike | None, lines: int = 30) -> str:
     except OSError:
         return ""
     return f"; last lines of {path}:\n" + "\n".join(text)
+
+
+def read_json_if_present(path: str | os.PathLike) -> Any | None:
+    """The JSON value in `path`, or None when there is no such file; a ValueError naming
+    the file when it is not valid JSON."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e

@@ -12,7 +12,8 @@ import pytest
 from fnrl.control.handles import RelayEvent, Roles, ServerError
 from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter, plot_run
-from fnrl.control.report import across_attempts, read_jsonl
+from fnrl.control.metrics import read_jsonl
+from fnrl.control.report import across_attempts
 from fnrl.control.supervisor import JobRestart
 from fnrl.experiments.presets import apply_preset
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fnrl.control.generation import RolloutState
-from fnrl.control.report import across_attempts, ettr
+from fnrl.control.book import Book
+from fnrl.control.report import across_attempts, ettr, utilization
 from fnrl.control.supervisor import Outage
 from fnrl.control.training import StalenessViolation, check_bound
 from fnrl.types import Group, Problem, Segment, Trajectory
@@ -22,6 +23,17 @@ def test_ettr_counts_every_role_and_rollouts_idled_by_a_trainer_outage():
     assert e["role_down_s"] == pytest.approx(10 + 3 + 10 + 4)
     assert e["ettr"] == pytest.approx(1 - 27 / 500)
     assert e["trainer_recovery_s_max"] == 10 and e["relay_recovery_s_max"] == 3
+
+
+def test_trainer_idle_share_counts_training_during_evaluation():
+    """Evaluation runs beside training: a trainer busy the whole run is idle 0, not < 0."""
+    book = Book(trainer_version=0, steps_done=0)
+    book.time["train_call_s"], book.time["eval_s"] = 95.0, 30.0
+    u = utilization(book, [RolloutState(handle=None)], wall_s=100.0)
+    assert u["trainer_idle_frac"] == pytest.approx(0.05)
+    assert u["rl_wall_s"] == pytest.approx(70.0)
+    book.time["train_call_s"] = 40.0
+    assert utilization(book, [RolloutState(handle=None)], wall_s=100.0)["trainer_idle_frac"] == pytest.approx(0.6)
 
 
 def _write(path, records):

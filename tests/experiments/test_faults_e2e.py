@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fnrl.control.metrics import read_metrics
+from fnrl.control.metrics import read_jsonl
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.experiments.math_grpo import main
 
@@ -36,7 +36,7 @@ def _run_two_rollouts(run_dir, cache_dir, steps: int, *flags: str) -> int:
 
 
 def assert_nothing_lost(run_dir, *, steps: int, eta: int):
-    train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert train and max(r["step"] for r in train) == steps
     for r in train:
         if not r.get("recovered_from_journal"):   # trained while no controller watched

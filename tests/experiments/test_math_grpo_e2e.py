@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fnrl.control.metrics import read_metrics
+from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 
 from e2e_args import SMALL
@@ -21,7 +21,7 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     run_dir = tmp_path / "run"
     assert main(["--preset", preset, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [1, 2, 3]

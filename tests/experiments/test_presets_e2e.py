@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from fnrl.control.metrics import read_metrics
+from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 
 from e2e_args import SMALL
@@ -37,7 +37,7 @@ def pool_records(path):
 
 
 def check_run(run_dir, eta, steps):
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     for r in train:
@@ -75,7 +75,7 @@ def test_fnrl_routes_over_two_rollouts_within_the_bound(tmp_path, cache_dir):
                  "--rollout.num-servers", "2", "--warm-start.cache-dir", cache_dir, *LONG_TAIL]) == 0
     consumed, summary = check_run(run_dir, eta=2, steps=4)
     assert summary["routed"] >= 4 * 4 * GROUP_SIZE
-    train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert max(r["staleness_max"] for r in train) >= 1   # it did run ahead of the trainer
 
 

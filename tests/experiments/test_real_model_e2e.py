@@ -19,8 +19,8 @@ import optax
 import pytest
 
 from fnrl.config import TaskConfig
-from fnrl.control.metrics import read_metrics
-from fnrl.control.report import read_jsonl
+from fnrl.control.metrics import read_jsonl
+from fnrl.control.metrics import read_jsonl
 from fnrl.data.tokenizer import ChatTokenizer
 from fnrl.experiments.math_grpo import main
 from fnrl.models.decoder import DecoderConfig, abstract_model
@@ -111,7 +111,7 @@ def test_a_gsm8k_run_on_a_sharded_chat_model(tmp_path, taught_model):
         assert expected[0] == tok.hf.convert_tokens_to_ids("<|im_start|>")
         assert all(t["prompt_ids"] == expected for t in record["trajectories"])
 
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     # Responses stopped at <|im_end|>: far shorter than the token limit.

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from fnrl.control.metrics import read_metrics
+from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 
 from e2e_args import SMALL
@@ -27,7 +27,7 @@ def test_each_rollout_pulls_from_its_own_relay(tmp_path, cache_dir):
     assert main(["--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
                  "--relay.num-relays", "2", *SMALL]) == 0
-    train = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     roles = json.loads((run_dir / "roles.json").read_text())
     relays = [roles[f"relay{i}"]["address"] for i in range(2)]
