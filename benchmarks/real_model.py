@@ -128,7 +128,10 @@ def main() -> int:
                 "--task.num-eval", "4", "--algo.group-size", str(args.group_size),
                 "--algo.groups-per-step", str(args.groups_per_step),
                 "--rollout.groups-per-batch", str(args.groups_per_step),
-                "--algo.max-new-tokens", str(args.max_new_tokens), *args.extra]
+                "--algo.max-new-tokens", str(args.max_new_tokens),
+                # The context the run needs (the prompts are under 128 tokens), not the
+                # model's 32,768 positions, which would size every buffer for them.
+                "--model.max-seq-len", str(args.max_new_tokens + 128), *args.extra]
         print("$ " + " ".join(argv[1:]), flush=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

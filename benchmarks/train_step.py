@@ -24,10 +24,12 @@ printed with the load average at the start and the end.
 
 Memory. `--memory` reports the peak trainer memory of one step of the
 Qwen2.5-0.5B-shaped model at 8 × 1,024 tokens: plain, chunked log-probs, chunked
-log-probs + remat, each measured in a fresh process by fnrl.trainer.peak beside the
-trainer's memory plan; a configuration whose plan is above `--memory-limit-gb` is not
-run (the plan stands as its estimate); `--layers` / `--batch` measure a smaller shape
-beside its own plan instead.
+log-probs + remat, for each of `--memory-dtypes` (compute dtypes over float32 master
+weights), each measured in a fresh process by fnrl.trainer.peak beside the trainer's
+memory plan; a configuration whose plan is above `--memory-limit-gb` is not run (the
+plan stands as its estimate); `--layers` / `--batch` measure a smaller shape beside its
+own plan instead. At the full shape chunked log-probs + remat is measured (about 16 min
+a configuration on 2 busy cores); the others' plans are above the limit.
 """
 
 from __future__ import annotations
@@ -343,30 +345,34 @@ def memory(args, p: dict) -> None:
     full_L, full_B = model_kw["num_hidden_layers"], PRESETS["qwen0.5b"]["batch"]
     L, B, T = args.layers or full_L, p["batch"], p["seq"]
     small = (L, B) != (full_L, full_B)
-    print(f"memory: Qwen2.5-0.5B shape (vocab {model_kw['vocab_size']:,}, tied), {p['dtype']} "
-          f"activations over f32 master weights and AdamW, {T:,} positions a row, chunks of "
-          f"{train_memory.CHUNK_POSITIONS} positions; full shape {full_L} layers × {full_B} rows"
-          + (f"; measured at {L} layers × {B} rows" if small else ""))
-    print(f"{'configuration':28s} {'full plan GB':>12s} {'plan GB':>8s} {'peak GB':>8s}")
+    dtypes = [d for d in args.memory_dtypes.split(",") if d] or [p["dtype"]]
+    print(f"memory: Qwen2.5-0.5B shape (vocab {model_kw['vocab_size']:,}, tied), activations "
+          f"in {' / '.join(dtypes)} over f32 master weights and AdamW, {T:,} positions a row, "
+          f"chunks of {train_memory.CHUNK_POSITIONS} positions; full shape {full_L} layers × "
+          f"{full_B} rows" + (f"; measured at {L} layers × {B} rows" if small else ""))
+    print(f"{'configuration':28s} {'dtype':>9s} {'full plan GB':>12s} {'plan GB':>8s} "
+          f"{'peak GB':>8s}")
     for name, options in train_memory.MEMORY_CONFIGS.items():
         if args.only and args.only != name:
             continue
-        full = train_memory.planned_peak_gb(model_kw, options, rows=full_B, length=T,
-                                            dtype=p["dtype"])
-        plan = train_memory.planned_peak_gb({**model_kw, "num_hidden_layers": L}, options,
-                                            rows=B, length=T, dtype=p["dtype"])
-        if plan > args.memory_limit_gb:
-            print(f"{name:28s} {full:12.1f} {plan:8.1f} {'not run':>8s}  (plan above the "
-                  f"{args.memory_limit_gb:.0f} GB limit: the plan is the estimate)", flush=True)
-            continue
-        try:
-            got = train_memory.measure(options, layers=L, rows=B, length=T, dtype=p["dtype"])
-        except (RuntimeError, subprocess.TimeoutExpired) as err:
-            print(f"{name:28s} {full:12.1f} {plan:8.1f} {'failed':>8s}  {str(err)[-300:]}",
-                  flush=True)
-            continue
-        print(f"{name:28s} {full:12.1f} {plan:8.1f} {got['peak_bytes'] / 1e9:8.1f}  "
-              f"(first step {got['step_s'][0]:.0f} s with compile)", flush=True)
+        for dtype in dtypes:
+            full = train_memory.planned_peak_gb(model_kw, options, rows=full_B, length=T,
+                                                dtype=dtype)
+            plan = train_memory.planned_peak_gb({**model_kw, "num_hidden_layers": L}, options,
+                                                rows=B, length=T, dtype=dtype)
+            head = f"{name:28s} {dtype:>9s} {full:12.1f} {plan:8.1f}"
+            if plan > args.memory_limit_gb:
+                print(f"{head} {'not run':>8s}  (plan above the {args.memory_limit_gb:.0f} GB "
+                      f"limit: the plan is the estimate)", flush=True)
+                continue
+            try:
+                got = train_memory.measure(options, layers=L, rows=B, length=T, dtype=dtype)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                print(f"{head} {'failed':>8s}  {str(err)[-300:]}", flush=True)
+                continue
+            print(f"{head} {got['peak_bytes'] / 1e9:8.1f}  (process peak over one step, compile "
+                  f"included; state {got['state_rss_bytes'] / 1e9:.1f} GB resident; step "
+                  f"{got['step_s'][0]:.0f} s with compile)", flush=True)
 
 
 def main() -> None:
@@ -385,7 +391,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPUs and intra-op threads for both sides (default: all allowed)")
     parser.add_argument("--memory", action="store_true", help="the peak-memory column instead")
-    parser.add_argument("--memory-limit-gb", type=float, default=12.0,
+    parser.add_argument("--memory-dtypes", default="float32,bfloat16",
+                        help="--memory: compute dtypes to measure, comma-separated")
+    parser.add_argument("--memory-limit-gb", type=float, default=20.0,
                         help="--memory runs only configurations estimated below this")
     parser.add_argument("--only", default="", help="--memory: only the configuration of this name")
     parser.add_argument("--json", default="", help="write every round's raw timings here")

@@ -13,6 +13,7 @@ from fnrl.config.algo import (ADVANTAGE_NAMES, AGGREGATION_NAMES, CORRECTION_NAM
                               KL_ESTIMATOR_NAMES, LOSS_TERM_NAMES, AlgoConfig, accept_name,
                               known_names)
 from fnrl.config.base import check, finite, from_dict, positive, save_json, to_dict
+from fnrl.config.cluster import ClusterConfig
 from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, CoordinatorConfig,
                                CostModel, RepackConfig, RoutingConfig)
 from fnrl.config.faults import FaultConfig, Injection, parse_injection
@@ -23,7 +24,8 @@ from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutCo
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "CORRECTION_NAMES", "KL_ESTIMATOR_NAMES",
     "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
-    "BalanceConfig", "CoordinatorConfig", "CostModel", "FaultConfig", "Injection", "MeshConfig",
+    "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "FaultConfig",
+    "Injection", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",
     "from_dict", "known_names", "parse_injection", "positive", "save_json", "to_dict",

@@ -9,11 +9,13 @@ from fnrl.config.base import check, finite, positive
 
 # The registered names of fnrl.losses (config may not import the registries, which
 # pull in JAX; tests/test_config.py keeps each tuple equal to its registry's keys).
-LOSS_TERM_NAMES = ("ppo_clip", "grpo", "aipo", "decoupled_ppo", "gspo", "kl", "entropy")
-ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+LOSS_TERM_NAMES = ("ppo_clip", "grpo", "aipo", "decoupled_ppo", "gspo", "cispo", "sapo", "gmpo",
+                   "gpg", "clip_cov", "kl_cov", "kl", "entropy")
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gpg", "opo", "passk")
 AGGREGATION_NAMES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 CORRECTION_NAMES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
+LR_SCHEDULE_NAMES = ("constant", "cosine", "linear")
 
 # Names registered at run time on top of the built-in ones (a user's own loss term or
 # advantage estimator: fnrl.losses.register calls `accept_name`).
@@ -51,6 +53,12 @@ class AlgoConfig:
     top_p: float = 1.0
     top_k: int = -1                     # -1: off
     learning_rate: float = 1e-4
+    # The rate's schedule (fnrl.trainer.step.lr_schedule): a linear warmup from 0 over
+    # lr_warmup_steps, then constant, or a cosine / linear decay to
+    # lr_end_ratio × learning_rate at the run's last step (RunConfig.steps).
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_end_ratio: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     # Loss: (registered term name, weight) pairs (fnrl.losses.LOSS_TERMS); on the
@@ -60,16 +68,35 @@ class AlgoConfig:
     aggregation_norm_len: int = 0       # Dr.GRPO's constant; 0 -> max_new_tokens
     advantage: str = "grpo"
     adv_eps: float = 1e-6
-    # PPO / decoupled PPO / dual clip.
+    pass_k: int = 4                     # the `passk` advantage's k
+    # PPO / decoupled PPO / dual clip. Safe by default (issue 15): for A < 0 a stale
+    # token's loss is at most dual_clip_c·|A| (0 = off, the e^20·|A| case), and decoupled
+    # PPO drops tokens with π_prox/μ above behaviour_cap (0 = off). docs/losses.md.
     clip_low: float = 0.2
     clip_high: float = 0.28
-    dual_clip_c: float = 0.0            # 0 = off; else > 1
-    behaviour_cap: float = 0.0          # decoupled PPO: drop tokens with π_prox/μ > cap; 0 = off
+    dual_clip_c: float = 3.0            # 0 = off; else > 1 (Ye et al. 2020; verl's 3)
+    behaviour_cap: float = 5.0          # decoupled PPO: drop tokens with π_prox/μ > cap; 0 = off
     # AIPO: one-sided truncation of π/μ at ρ (LlamaRL recommends 2..10).
     aipo_rho: float = 4.0
     # GSPO's sequence-ratio clip range.
     gspo_clip_low: float = 3e-4
     gspo_clip_high: float = 4e-4
+    # CISPO's weight clip(r, 1 - low, 1 + high); low = 1: no lower bound (the paper's).
+    cispo_clip_low: float = 1.0
+    cispo_clip_high: float = 3.0
+    # SAPO's gate temperatures for A > 0 and A < 0 (the paper's 1.0 and 1.05).
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # GMPO's clip range in log space (the paper's e^±0.4).
+    gmpo_clip_low: float = 0.4
+    gmpo_clip_high: float = 0.4
+    # Clip-Cov / KL-Cov: the fraction of tokens restrained, Clip-Cov's covariance band,
+    # KL-Cov's penalty coefficient (arXiv 2505.22617's defaults; kl_cov_ratio its 7B one).
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-3
+    kl_cov_coef: float = 1.0
     # Train/inference mismatch correction (fnrl.losses.correction).
     correction: str = "none"
     tis_cap: float = 2.0
@@ -91,6 +118,12 @@ class AlgoConfig:
                  "max_grad_norm", "aipo_rho", "gspo_clip_low", "gspo_clip_high", "tis_cap")
         check(self.group_size >= 2, name, "group_size", self.group_size,
               "GRPO needs at least 2 samples per group")
+        check(self.lr_schedule in LR_SCHEDULE_NAMES, name, "lr_schedule", self.lr_schedule,
+              f"must be one of {LR_SCHEDULE_NAMES}")
+        check(self.lr_warmup_steps >= 0, name, "lr_warmup_steps", self.lr_warmup_steps,
+              "must be >= 0")
+        check(0 <= self.lr_end_ratio <= 1, name, "lr_end_ratio", self.lr_end_ratio,
+              "must be in [0, 1]")
         check(0 < self.clip_low < 1, name, "clip_low", self.clip_low, "must be in (0, 1)")
         check(self.clip_high > 0, name, "clip_high", self.clip_high, "must be > 0")
         check(self.temperature > 0, name, "temperature", self.temperature, "must be > 0")
@@ -120,6 +153,15 @@ class AlgoConfig:
               self.dual_clip_c, "must be 0 (off) or > 1")
         check(self.behaviour_cap == 0 or self.behaviour_cap > 1, name, "behaviour_cap",
               self.behaviour_cap, "must be 0 (off) or > 1")
+        positive(self, "pass_k", "cispo_clip_high", "sapo_tau_pos", "sapo_tau_neg",
+                 "gmpo_clip_low", "gmpo_clip_high", "kl_cov_coef")
+        check(0 < self.cispo_clip_low <= 1, name, "cispo_clip_low", self.cispo_clip_low,
+              "must be in (0, 1] (1: no lower bound)")
+        for field in ("clip_cov_ratio", "kl_cov_ratio"):
+            check(0 < getattr(self, field) <= 1, name, field, getattr(self, field),
+                  "must be in (0, 1]")
+        check(self.clip_cov_lb < self.clip_cov_ub, name, "clip_cov_lb..clip_cov_ub",
+              (self.clip_cov_lb, self.clip_cov_ub), "need clip_cov_lb < clip_cov_ub")
         check(self.correction in CORRECTION_NAMES, name, "correction", self.correction,
               f"must be one of {CORRECTION_NAMES}")
         check(self.tis_cap >= 1, name, "tis_cap", self.tis_cap, "must be >= 1")

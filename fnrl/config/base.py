@@ -43,6 +43,8 @@ def from_dict(cls: type, data: dict) -> Any:
     kwargs = {}
     for key, value in data.items():
         sub = names[key].default_factory if names[key].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, dict) and sub is not None and not isinstance(sub, type):
+            sub = type(sub())   # a factory function with non-default values: its class
         if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
             kwargs[key] = from_dict(sub, value)
         else:

@@ -16,7 +16,14 @@ class FaultConfig:
     """"role": restart only the failed role (RobustRL); "job": restart every role from
     the checkpoint on any failure (the whole-job baseline)."""
     trainer_hang_s: float = 300.0
-    """No progress for this long while a training step runs: the trainer has failed."""
+    """No progress for this long while a training step runs: the trainer has failed
+    (the window's floor: see `trainer_hang_factor` and `trainer_first_step_s`)."""
+    trainer_hang_factor: float = 4.0
+    """...or for this many times the longest step the trainer has completed, when that
+    is longer: a large model's step on a slow machine can outlast the floor."""
+    trainer_first_step_s: float = 1800.0
+    """The window of the trainer's first step after it (re)started, which includes the
+    step's compilation (minutes for a 0.5B model on CPU); never below trainer_hang_s."""
     rollout_stall_s: float = 60.0
     """Zero throughput for this long while work is placed on a rollout: suspect."""
     heartbeat_timeout_s: float = 10.0
@@ -39,7 +46,8 @@ class FaultConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "inject", tuple(self.inject))   # a JSON list reads back
-        positive(self, "trainer_hang_s", "rollout_stall_s", "heartbeat_timeout_s")
+        positive(self, "trainer_hang_s", "trainer_hang_factor", "trainer_first_step_s",
+                 "rollout_stall_s", "heartbeat_timeout_s")
         check(self.policy in ("role", "job"), "FaultConfig", "policy", self.policy,
               "must be 'role' or 'job'")
         for name in ("max_restart_failures", "max_job_restarts"):

@@ -7,6 +7,7 @@ from typing import Literal
 
 from fnrl.config.algo import AlgoConfig
 from fnrl.config.base import check, finite, positive
+from fnrl.config.cluster import ClusterConfig
 from fnrl.config.coord import CoordinatorConfig
 from fnrl.config.faults import FaultConfig
 from fnrl.config.relay import RelayConfig
@@ -152,7 +153,7 @@ class WarmStartConfig:
     model's length, each packed with whole demonstrations.
     """
 
-    steps: int = 400
+    steps: int = 800
     batch_size: int = 16
     learning_rate: float = 3e-3
     demo_error_rate: float = 0.6
@@ -292,7 +293,7 @@ class RunConfig:
     (fnrl.experiments.presets); the command line overrides any of them."""
 
     preset: str = ""
-    steps: int = 60
+    steps: int = 40
     eval_every: int = 10
     seed: int = 0
     run_dir: str = ""
@@ -301,15 +302,23 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    # The main job's rate decays (cosine to a tenth by the last step): a constant one let
+    # the GRPO noise undo the warm start's arithmetic after the slip was gone.
+    algo: AlgoConfig = field(default_factory=lambda: AlgoConfig(lr_schedule="cosine",
+                                                                lr_end_ratio=0.1))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     coord: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self):
         positive(self, "steps", "eval_every", "trainer_timeout_s")
+        # A decaying learning rate ends at the run's last step, after its warmup.
+        check(self.algo.lr_schedule == "constant" or self.steps > self.algo.lr_warmup_steps,
+              "RunConfig", "algo.lr_warmup_steps", self.algo.lr_warmup_steps,
+              f"must be below steps={self.steps} with algo.lr_schedule={self.algo.lr_schedule!r}")
 
     @property
     def batch_size(self) -> int:

@@ -42,6 +42,17 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
+def staleness_histogram(records) -> np.ndarray:
+    """Trained tokens by staleness (trainer version − token version), summed over the
+    step records' `staleness_hist`."""
+    hist = np.zeros(1)
+    for r in records:
+        h = np.asarray(r.get("staleness_hist", [0]), float)
+        hist = np.pad(hist, (0, max(0, len(h) - len(hist))))
+        hist[: len(h)] += h
+    return hist
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """The complete records of a JSON-lines file (a torn last line is skipped); [] when
     there is no such file."""
@@ -95,11 +106,7 @@ def plot_run(run_dir: Path) -> Path:
     if evals:
         axes[1].plot([r["step"] for r in evals], [100 * r["accuracy"] for r in evals], "o-")
     axes[1].set(title="held-out accuracy (greedy)", xlabel="policy version", ylabel="%")
-    hist = np.zeros(1)
-    for r in train:
-        h = np.asarray(r.get("staleness_hist", [0]), float)
-        hist = np.pad(hist, (0, max(0, len(h) - len(hist))))
-        hist[: len(h)] += h
+    hist = staleness_histogram(train)
     axes[2].bar(np.arange(len(hist)), hist)
     axes[2].set(title="staleness of trained tokens", xlabel="trainer version − token version",
                 ylabel="tokens")

@@ -35,7 +35,7 @@ from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.launch import relay_argv, remove_segments, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
 from fnrl.serving.server import ServerSpec, launch_server, wait_ready
-from fnrl.shell import procs
+from fnrl.shell import auth, procs
 from fnrl.shell.files import log_tail, write_atomic
 from fnrl.shell.net import free_port
 from fnrl.shell.procs import reap_leftovers
@@ -90,6 +90,9 @@ class Cluster:
         for name, info in read_roles(run_dir / "roles.json").items():
             if name.startswith("relay") and not procs.alive(int(info["pid"])):
                 remove_segments(name, int(info["pid"]))
+        # A fresh run secret per attempt, inherited by every role spawned from now on: a
+        # message of an earlier attempt or another run fails its check (fnrl.shell.auth).
+        auth.start_run()
         self.roles: list[RoleProcess] = []
         self._relays_started: list[tuple[str, int]] = []   # (name, pid): segment owners
         self.relay_tier: RelayTier | None = None
@@ -234,7 +237,7 @@ class Cluster:
         self._server_specs[rid] = spec
         log_path = self.run_dir / "logs" / f"rollout{rid}.log"
         proc = launch_server(spec, log_path)
-        role = RoleProcess(f"rollout{rid}", proc, log_path, f"http://{spec.host}:{spec.port}")
+        role = RoleProcess(f"rollout{rid}", proc, log_path, spec.base_url)
         return self._add(role)
 
     def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:

@@ -54,6 +54,8 @@ class Watch:
     last_heartbeat_s: float = 0.0
     error: str | None = None
     restarting: bool = False
+    steps_done: int = 0             # trainer: steps returned since it (re)started
+    longest_step_s: float = 0.0
 
 
 @dataclass
@@ -129,7 +131,13 @@ class Supervisor:
                 self._inject_later(inj, step)
 
     def train_returned(self) -> None:
-        self.watches["trainer"].busy_since_s = None
+        w = self.watches["trainer"]
+        if w.busy_since_s is not None:
+            took = self.svc.now() - w.busy_since_s
+            # The first step compiles: it sizes the window only until a second returns.
+            w.longest_step_s = took if w.steps_done <= 1 else max(w.longest_step_s, took)
+            w.steps_done += 1
+        w.busy_since_s = None
         self._progressed("trainer")
 
     def train_raised(self, err: Exception) -> None:
@@ -156,7 +164,8 @@ class Supervisor:
             exit_code=None if w.restarting else handles[name].exit_code(),
             exit_reason=None if w.restarting else handles[name].exit_reason(), error=w.error,
             busy_since_s=w.busy_since_s, last_progress_s=w.last_progress_s,
-            last_heartbeat_s=w.last_heartbeat_s, restarting=w.restarting)
+            last_heartbeat_s=w.last_heartbeat_s, restarting=w.restarting,
+            steps_done=w.steps_done, longest_step_s=w.longest_step_s)
             for name, w in self.watches.items())
 
     def relay_repairs(self) -> None:
@@ -222,6 +231,7 @@ class Supervisor:
         w, now = self.watches[role], self.svc.now()
         w.restarting = False
         w.last_progress_s = w.last_heartbeat_s = now
+        w.steps_done = 0   # its next step compiles again
         self.history = F.role_started(self.history, role)
         outage = next(o for o in reversed(self.outages) if o.role == role and o.ready_s is None)
         outage.ready_s = now

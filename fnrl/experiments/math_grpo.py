@@ -239,7 +239,8 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
         specs = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
                             max_num_seqs=cfg.rollout.max_num_seqs,
                             kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
-                            dtype=cfg.rollout.dtype)
+                            dtype=cfg.rollout.dtype, host=cfg.cluster.bind_host,
+                            require_api_key=cfg.cluster.require_api_key)
                  for rid in range(cfg.rollout.num_servers)]
         for rid, spec in enumerate(specs):
             cluster.start_server(rid, spec)

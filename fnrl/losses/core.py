@@ -84,6 +84,18 @@ def aggregate(x_BxT: jnp.ndarray, batch: Batch) -> jnp.ndarray:
     return token_mean(x_BxT, batch["mask_BxT"])
 
 
+# Log importance ratios are clamped to ±20 before exp. float32 exp overflows at 88.7,
+# and inf·0 (a masked token) is NaN, which would skip the whole step; a ratio beyond
+# e^20 ≈ 5·10^8 carries no usable signal. The clamp has zero gradient outside, so such
+# a token gets no gradient through its ratio (verl clamps at the same bound).
+MAX_LOG_RATIO = 20.0
+
+
+def log_ratio(logp_BxT: jnp.ndarray, anchor_BxT: jnp.ndarray) -> jnp.ndarray:
+    """log(π/anchor) per token, clamped to ±MAX_LOG_RATIO."""
+    return jnp.clip(logp_BxT - anchor_BxT, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
 def advantages_BxT(batch: Batch) -> jnp.ndarray:
     """Per-token advantages: `adv_BxT` when present, else `adv_B` broadcast over tokens."""
     if "adv_BxT" in batch:

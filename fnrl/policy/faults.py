@@ -71,6 +71,8 @@ class RoleHealth:
     last_progress_s: float = 0.0     # trainer: last step returned; rollout: last token
     last_heartbeat_s: float = 0.0    # last heartbeat answered
     restarting: bool = False         # a restart is under way: not judged
+    steps_done: int = 0              # trainer: steps completed since it (re)started
+    longest_step_s: float = 0.0      # trainer: the longest of them
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,18 @@ class Failure:
     role: str
     kind: RoleKind
     reason: str
+
+
+def trainer_window_s(r: RoleHealth, cfg: FaultConfig) -> float:
+    """How long a training step may go without progress before the trainer has failed.
+
+    Gap: the paper watches accelerator activity (zero for 5 minutes), which a slow but
+    busy step never shows; fnrl sees only steps returning, so the window scales with the
+    steps seen: trainer_hang_factor × the longest completed one, at least trainer_hang_s,
+    and a first step after a (re)start, which compiles, gets trainer_first_step_s."""
+    if r.steps_done == 0:
+        return max(cfg.trainer_hang_s, cfg.trainer_first_step_s)
+    return max(cfg.trainer_hang_s, cfg.trainer_hang_factor * r.longest_step_s)
 
 
 def detect(now_s: float, roles: tuple[RoleHealth, ...], cfg: FaultConfig) -> tuple[Failure, ...]:
@@ -92,7 +106,7 @@ def detect(now_s: float, roles: tuple[RoleHealth, ...], cfg: FaultConfig) -> tup
             failures.append(Failure(r.name, r.kind, f"raised: {r.error}"))
         elif r.busy_since_s is not None:
             quiet = now_s - max(r.busy_since_s, r.last_progress_s)
-            if r.kind == "trainer" and quiet >= cfg.trainer_hang_s:
+            if r.kind == "trainer" and quiet >= trainer_window_s(r, cfg):
                 failures.append(Failure(r.name, r.kind, f"no progress for {quiet:.0f}s "
                                         "during a training step"))
             elif r.kind == "rollout" and quiet >= cfg.rollout_stall_s:

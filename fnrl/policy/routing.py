@@ -212,7 +212,8 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
     chosen rollout. Gap (ours, for speed): gains are evaluated at the length rounded up
     to `gain_resolution` points per doubling (6% at 16), so trajectories of similar length
     share that pass; the KV-fit test errs on the safe side, and loads are updated with
-    exact lengths.
+    exact lengths. The threshold μ·ΔT_ideal is taken at the same rounded length, so an
+    idle rollout scores exactly ΔT_ideal and μ = 1 still admits to idle rollouts.
     """
     cost = view.cost
     version = view.version if version is None else version
@@ -264,7 +265,12 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
             gain_len = q
             best = [a + int(np.argmax(gain[a:b])) for a, b in bounds]
             best_val = [float(gain[j]) for j in best]
-        threshold = mu * cost_model.ideal_gain(cost, length)
+            # ΔT_ideal at the rounded length q, summed in the gain pass's order, so an
+            # idle rollout's gain equals it bit for bit (at the exact length it would be
+            # larger, and μ near 1 would never admit anything). The relative slack
+            # absorbs the float residue a drained rollout's KV keeps after subtractions.
+            ideal = 1.0 / ((max(k2, k3) + k4) + k1 * k5 * q)
+            threshold = mu * ideal * (1.0 - 1e-9)
         chosen = -1
         for gi, gv in enumerate(group_v):
             # check_routable (Alg. 2): partial trajectories (and members of admitted

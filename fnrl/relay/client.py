@@ -20,6 +20,7 @@ import zmq
 
 from fnrl.relay import store
 from fnrl.relay.store import VersionManifest
+from fnrl.shell import auth
 
 log = logging.getLogger("fnrl.relay")
 
@@ -61,6 +62,7 @@ class RelayClient:
         self.last_published: tuple[int, dict[str, np.ndarray]] | None = None
         """The last version handed off and views of it in its inbox slot."""
         self._published_segment: str | None = None  # the slot last_published lies in
+        self._nonce: str | None = None  # of the request in flight: its reply must name it
 
     def publish(
         self,
@@ -154,7 +156,7 @@ class RelayClient:
         header = {"op": "publish", "version": int(version), "tensors": _tensor_specs(arrays)}
         # Raw bytes views: zero-copy, and dtype-agnostic (bfloat16 has no buffer format).
         frames = [a.reshape(-1).view(np.uint8) for a in arrays.values()]
-        self._request(header, frames, timeout_s)
+        self._request(header, frames, timeout_s, bulk=True)
 
     def latest(self, *, timeout_s: float | None = None) -> VersionManifest | None:
         """The manifest of the newest complete version, or None if nothing is published."""
@@ -200,19 +202,22 @@ class RelayClient:
             self._sock = sock
         return self._sock
 
-    def _request(self, header: dict, frames: list, timeout_s: float | None) -> dict:
+    def _request(self, header: dict, frames: list, timeout_s: float | None, *,
+                 bulk: bool = False) -> dict:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        self._send(header, frames, timeout_s)
+        self._send(header, frames, timeout_s, bulk=bulk)
         return self._reply(header["op"], timeout_s)
 
-    def _send(self, header: dict, frames: list, timeout_s: float) -> None:
+    def _send(self, header: dict, frames: list, timeout_s: float, *, bulk: bool = False) -> None:
         sock = self._socket()
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        # Sealed with the run's secret; weight bytes (`bulk`) are covered by length only.
+        sealed, self._nonce = auth.process_auth().seal(header, frames, bulk=bulk)
         try:
             # copy=False hands the arrays' memory to ZeroMQ without copying; the reply
             # comes only after the relay has read every frame, so the arrays are free
             # to change once it is in.
-            sock.send_multipart([json.dumps(header).encode(), *frames], copy=False)
+            sock.send_multipart(sealed, copy=False)
         except zmq.Again:
             self.close()
             raise RelayTimeout(f"relay {self.address} did not take {header['op']!r} "
@@ -223,10 +228,17 @@ class RelayClient:
         try:
             self._await(lambda wait_s: bool(sock.poll(int(wait_s * 1000), zmq.POLLIN)),
                         timeout_s, f"answer {op!r}")
-            reply = json.loads(sock.recv())
+            frames = sock.recv_multipart()
         except RelayTimeout:
             self.close()
             raise
+        try:
+            reply, _ = auth.process_auth().open(frames, reply_to=self._nonce)
+        except auth.Refused as err:
+            reason = auth.refusal_reason(frames)
+            if reason is not None:
+                raise RelayError(f"relay {self.address} refused {op!r}: {reason}") from None
+            raise RelayError(f"relay {self.address}: reply to {op!r} refused: {err}") from None
         if not reply.get("ok"):
             raise RelayError(f"relay {self.address} refused {op!r}: {reply.get('error')}")
         return reply
@@ -251,11 +263,16 @@ class RelayClient:
                     probe = self._ctx.socket(zmq.REQ)
                     probe.setsockopt(zmq.LINGER, 0)
                     probe.connect(self.address)
-                    probe.send(b'{"op": "ping"}')
+                    sealed, pinged = auth.process_auth().seal({"op": "ping"})
+                    probe.send_multipart(sealed)
                 elif probe.poll(0, zmq.POLLIN):
-                    probe.recv()
-                    heard = now
-                    probe.send(b'{"op": "ping"}')
+                    try:
+                        auth.process_auth().open(probe.recv_multipart(), reply_to=pinged)
+                        heard = now
+                    except auth.Refused:
+                        pass   # not an answer of this relay's: no sign of life
+                    sealed, pinged = auth.process_auth().seal({"op": "ping"})
+                    probe.send_multipart(sealed)
                 if now - heard < 2 * step_s:
                     continue
                 # Silent: leave as soon as the tier has replaced it, or after liveness_s.

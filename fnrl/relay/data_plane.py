@@ -10,11 +10,17 @@ A transfer is one session with a random 40-bit id; every message is tagged
 an abandoned session can never land in a later one:
 
     upstream -> downstream   tag 1            [session, header length]  (uint64 x 2)
-                             HEADER           JSON {"layout", "reply_to", "sender"}
+                             HEADER           sealed JSON {"layout", "reply_to", "sender",
+                                              "to"} (fnrl.shell.auth: the run's secret)
                              SUM + 2i         xxh3-64 of chunk i        (uint64)
                              DATA + 2i        chunk i, received straight into the segment
     downstream -> upstream   NEED             NEED or HAVE (it already holds v or newer)
                              DONE             DONE_OK or DONE_BAD, once v is verified
+
+The header, which says what to fetch and where to answer, carries the run's HMAC tag
+and the receiver's own address: one without a valid tag, or meant for another relay, is
+refused and logged (its sender then times out). The chunks are covered by their xxh3
+checksums only: bulk bytes are not MAC'ed.
 
 On one host UCX moves chunks with a single-copy CMA read (process_vm_readv) by the
 receiver; across hosts, with whatever the network offers (RDMA, TCP).
@@ -35,6 +41,7 @@ import numpy as np
 from fnrl.config import RelayConfig
 from fnrl.relay import store
 from fnrl.relay.store import Held
+from fnrl.shell import auth
 
 log = logging.getLogger("fnrl.relay")
 
@@ -61,6 +68,8 @@ class Relay(Protocol):
 PREAMBLE_TAG = 1
 HEADER, NEED, DONE, SUM = 1, 2, 3, 16  # DATA of chunk i is SUM + 2i + 1
 NEED_IT, HAVE_IT, DONE_OK, DONE_BAD = 1, 2, 3, 4
+MAX_HEADER_BYTES = 64 << 20
+"""A version's layout names every tensor: megabytes for a large mixture of experts."""
 SENDS_IN_FLIGHT = 2
 """Chunks a sender keeps posted per hop: chunk i+1 is announced while chunk i is still
 being read, so the receiver starts on it the moment chunk i lands."""
@@ -150,10 +159,21 @@ class DataPlane:
 
     async def _receive(self, session: int, header_len: int) -> None:
         relay, held = self.relay, None
+        if header_len > MAX_HEADER_BYTES:   # the preamble is not sealed: bound what it asks
+            auth.process_auth().note_refused(f"relay {relay.name} UCX", f"session {session:x}",
+                                             auth.Refused(f"a {header_len}-byte header"))
+            return
         try:
             raw = np.empty(header_len, np.uint8)
             await self._within(self._post_recv(raw, _tag(session, HEADER)), "header")
-            header = json.loads(raw.tobytes())
+            authn, sealed = auth.process_auth(), raw.tobytes()
+            try:
+                header, _ = authn.open([sealed[:auth.TAG_LEN], sealed[auth.TAG_LEN:]])
+                if header.get("to") != self.address:
+                    raise auth.Refused("meant for another relay")
+            except auth.Refused as err:
+                authn.note_refused(f"relay {relay.name} UCX", f"session {session:x}", err)
+                return
             layout = store.VersionManifest.from_json(json.dumps(header["layout"]))
             reply_to = await self._endpoint(header["reply_to"])
             if layout.version <= relay.newest_version() and not (
@@ -257,8 +277,10 @@ class DataPlane:
         ep = await self._endpoint(address)
         session = random.getrandbits(39) | (1 << 39)
         layout = dataclasses.replace(src.manifest, checksums=())
-        header = json.dumps({"layout": json.loads(layout.to_json()), "sender": self.relay.name,
-                             "reply_to": self.address}).encode()
+        tag, raw = auth.process_auth().seal({
+            "layout": json.loads(layout.to_json()), "sender": self.relay.name,
+            "reply_to": self.address, "to": address})[0]
+        header = tag + raw
         reply, done = np.zeros(1, np.uint64), np.zeros(1, np.uint64)
         need = self._post_recv(reply, _tag(session, NEED))
         posted: collections.deque = collections.deque()

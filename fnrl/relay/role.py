@@ -3,8 +3,11 @@
     python -m fnrl.relay.role --address tcp://127.0.0.1:5555 --name host0
 
 Control (ZeroMQ ROUTER; clients use REQ): a JSON header frame, for `publish` followed by
-one raw-bytes frame per tensor. Every reply is one JSON frame, `{"ok": true, ...}` or
-`{"ok": false, "error": "..."}`:
+one raw-bytes frame per tensor, sealed with the run's secret (fnrl.shell.auth: a tag
+frame first; a `publish`'s tensor bytes are covered by length only). Every reply is one
+sealed JSON frame, `{"ok": true, ...}` or `{"ok": false, "error": "..."}`; a request that
+fails its check gets an unsigned `{"refused": reason}` and a log line, and the relay
+serves on:
 
     {"op": "ping"}                      -> {"ok", "name", "pid", "version", "ucx_address",
                                             "master", "master_address", "epoch", "downstream"}
@@ -54,6 +57,7 @@ from fnrl.config import RelayConfig
 from fnrl.relay import store
 from fnrl.relay.data_plane import DataPlane
 from fnrl.relay.store import Held
+from fnrl.shell import auth
 
 log = logging.getLogger("fnrl.relay")
 
@@ -481,6 +485,7 @@ async def _serve(args: RelayArgs) -> None:
     for segment in sweep_dead_segments(args.name):
         log.warning("removed segment %s of a dead relay", segment)
 
+    authn = auth.role_auth(f"relay {args.name}")
     relay = Relay(args.name, args.address, args.cfg)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -488,13 +493,15 @@ async def _serve(args: RelayArgs) -> None:
     background = [asyncio.create_task(relay.data.accept()),
                   asyncio.create_task(relay.data.forward())]
 
-    async def answer(envelope, request) -> None:
+    async def answer(envelope, header: dict, payload) -> None:
+        nonce = header.pop("_nonce")
         try:
-            reply = await relay.handle(json.loads(request[0].bytes), request[1:])
+            reply = await relay.handle(header, payload)
         except Exception as e:  # a bad request must not kill the relay
             log.exception("request failed")
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        await sock.send_multipart([*envelope, json.dumps(reply).encode()])
+        sealed, _ = authn.seal(reply, reply_to=nonce)
+        await sock.send_multipart([*envelope, *sealed])
 
     try:
         sock.bind(args.address)
@@ -507,7 +514,14 @@ async def _serve(args: RelayArgs) -> None:
             # REQ envelope: routing id(s), an empty delimiter, then the request.
             empty = [i for i, f in enumerate(frames) if len(f) == 0]
             split = empty[0] + 1 if empty else 1
-            relay.spawn(answer(frames[:split], frames[split:]))
+            try:
+                header, payload = authn.open(frames[split:])
+            except auth.Refused as err:
+                authn.note_refused(f"relay {args.name} {args.address}",
+                                   auth.peer_of(frames[-1]), err)
+                await sock.send_multipart([*frames[:split], *auth.refusal(str(err))])
+                continue
+            relay.spawn(answer(frames[:split], header, payload))
     finally:
         for task in [*background, *relay._tasks]:
             task.cancel()

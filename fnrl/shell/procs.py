@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from fnrl.shell import auth
 from fnrl.shell.exits import ExitWatch
 
 _OURS = (b"fnrl", b"vllm", b"VLLM")
@@ -49,9 +50,11 @@ def spawn(argv: list[str], log_path: str | os.PathLike, *,
     with_parent: gets `death_signal` when the thread that spawned it ends
     (PR_SET_PDEATHSIG); leave it off for a process started from a short-lived thread.
     SIGTERM lets a role that owns shared memory unlink it when its job is SIGKILLed.
+    The environment always holds a run secret (`env`'s own, else this process's:
+    fnrl.shell.auth), the only way a role gets it.
     """
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, env=dict(env) if env is not None else None, stdout=log,
+        proc = subprocess.Popen(argv, env=auth.with_secret(env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=own_session,
                                 preexec_fn=(lambda: die_with_parent(death_signal))

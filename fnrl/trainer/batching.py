@@ -26,9 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from fnrl.config import AlgoConfig, TrainerConfig
-from fnrl.losses.advantages import overlong_penalty
+from fnrl.losses.advantages import compute_advantages, overlong_penalty
 from fnrl.policy.filtering import informative
-from fnrl.losses.core import ADVANTAGES
 
 Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward
 
@@ -54,7 +53,7 @@ def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
         rewards = rewards + overlong_penalty(lengths, max_len=algo.max_new_tokens,
                                              buffer=algo.overlong_buffer,
                                              factor=algo.overlong_penalty)
-    adv = ADVANTAGES[algo.advantage](rewards, algo.adv_eps)
+    adv = compute_advantages(rewards, algo, lengths_GxN=lengths)
     any_valid = bool(np.isfinite(raw).any())
     info = {"reward_mean": float(np.nanmean(raw)) if any_valid else float("nan"),
             "invalid_samples": int(sum(not is_valid(s) for g in groups for s in g)),

@@ -18,16 +18,22 @@ The phases follow each other: the peak is resident + the largest phase.
 
 Activations per token and layer, without remat: the norms' inputs and outputs and the
 residual (4 E), q/k/v before and after RoPE (RoPE in float32), the attention output
-(H·D), the MLP's four I-wide tensors, and the attention matrix: float32 scores and
-softmax over all T keys (attention is not flash, so this term grows with T per token
-and dominates long contexts). With remat the layer inputs are kept (E per token and
-layer), one layer is recomputed at a time, and on CPU most of each layer's
-activations stay anyway (`REMAT_RETAINED`). Logits: float32 logits and their
-cotangent, for every token at once or for `logprob_chunk` tokens.
+(H·D), the MLP's I-wide tensors (`MLP_COPIES`), and, for sequences of at most one attention block
+(`fnrl.models.decoder.ATTENTION_BLOCK` positions), the attention matrix: float32 scores
+and softmax over all T keys. Longer sequences are attended block by block, each block
+recomputed in its backward pass: no layer keeps its scores, and the scores of one block
+(block × T per row and head, `ATTENTION_BLOCK_COPIES` float32 copies) exist at a time.
+With remat the layers run as one scan: each layer's input is kept (E per token and
+layer), one layer is recomputed at a time, and the scan holds the layers' parameters
+and their gradients stacked (two copies of the layers' parameters). Logits: float32
+logits and their cotangent, for every token at once or for `logprob_chunk` tokens.
 
-Against XLA's buffer plan of the Qwen2.5-0.5B-shaped step at 8 × 1,024 tokens (memory
-scheduler): the plan is 4 to 29 % above it for 24 layers (float32 and bfloat16, chunked
-or not, remat or not), 13 % above for 2 layers and 82 % above for 2 layers with remat.
+Checked on the Qwen2.5-0.5B-shaped step at 8 × 1,024 tokens with chunked log-probs and
+remat (fnrl.trainer.peak): XLA's buffer plan is 13.8 GB for float32 and bfloat16
+compute alike (its temporaries, 7.9 GB, are the update phase's four parameter-sized
+arrays); the process's measured peak (compile included) 16.6 GB for both, this plan
+18.1 and 18.0 GB. Without remat, XLA's plan for 2 and 4 layers plus `PROCESS_BYTES`
+is 6 to 8 % below this one.
 """
 
 from __future__ import annotations
@@ -39,14 +45,16 @@ import jax
 import numpy as np
 
 from fnrl.config import AlgoConfig, TrainerConfig
-from fnrl.models.decoder import DecoderConfig, abstract_model
+from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig, abstract_model
 from fnrl.trainer.logprobs import positions_per_chunk
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PROCESS_BYTES = 2**30
-"""Python, JAX, XLA's CPU runtime and compiler in the trainer process, beside the
-arrays: the measured peak RSS of a step is XLA's buffer plan + 0.82 to 0.96 GB
-(fnrl.trainer.peak, Qwen2.5-0.5B-shaped, 2 layers, 8 × 256 tokens)."""
+PROCESS_BYTES = 11 * 2**28   # 2.75 GiB
+"""Python, JAX, XLA's CPU runtime and what compiling the step leaves on the heap, beside
+the arrays: the measured peak RSS of a step is XLA's buffer plan + 0.82 to 0.96 GB for
+2 layers at 8 × 256 tokens, + 2.73 GB for 24 layers at 8 × 1,024 (fnrl.trainer.peak,
+Qwen2.5-0.5B-shaped, float32, chunked log-probs and remat, the first step compiling:
+compiling it alone peaks at 3.5 GB of RSS)."""
 LOGITS_COPIES = 2
 """Float32 vocabulary-wide arrays per token alive at once in the backward pass (the
 logits and their cotangent; XLA fuses the softmax into them): fitted to XLA's buffer
@@ -54,11 +62,14 @@ plan of the Qwen2.5-0.5B-shaped step, chunked and not."""
 ATTENTION_F32_COPIES = 2
 """Float32 T-wide arrays per head and token a layer keeps for the backward pass (the
 scores and their softmax, float32 whatever the compute dtype)."""
-REMAT_RETAINED = 0.7
-"""Fraction of a layer's activations still held per layer with remat on XLA's CPU
-backend: its memory-minimising scheduler (fnrl.trainer.xla_flags) keeps about
-1.13 GB of a layer's 1.48 GB at 8 × 1,024 tokens of the Qwen2.5-0.5B shape (XLA's
-buffer plan, 2 and 24 layers), float32 and bfloat16 alike."""
+MLP_COPIES = 8
+"""I-wide arrays per token a layer keeps for the backward pass (gate and up, the SiLU and
+the terms of its derivative, the product): fitted to XLA's buffer plan of the
+Qwen2.5-0.5B-shaped step without remat at 8 × 1,024 tokens, float32, 2 and 4 layers
+(1.54 GB a layer)."""
+ATTENTION_BLOCK_COPIES = 3
+"""Float32 block × T arrays per row and head alive at once while one attention block
+is recomputed and differentiated (scores, softmax and their cotangent)."""
 UPDATE_COPIES = 3
 """Param-sized temporaries of the AdamW update beside the gradients (new moments and
 the update, before they replace the donated state): XLA's buffer plan shows 4 × params
@@ -108,11 +119,24 @@ class TrainerMemory:
 
 
 def activation_bytes_per_token_layer(model: DecoderConfig, length: int, compute: int) -> int:
-    """Bytes one token keeps for the backward pass in one layer, without remat."""
+    """Bytes one token keeps for the backward pass in one layer, without remat; the
+    T-wide attention scores only when the sequence is one attention block."""
     E, I = model.hidden_size, model.intermediate_size
     H, K, D = model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    linear = (4 * E + 2 * (H + 2 * K) * D + H * D + 4 * I) * compute + (H + K) * D * 4
+    linear = (4 * E + 2 * (H + 2 * K) * D + H * D + MLP_COPIES * I) * compute + (H + K) * D * 4
+    if _blocked(length):
+        return linear
     return linear + H * length * ATTENTION_F32_COPIES * 4
+
+
+def _blocked(length: int) -> bool:
+    return 0 < ATTENTION_BLOCK < length
+
+
+def layer_param_count(model: DecoderConfig) -> int:
+    """Parameters of the decoder layers alone (what a remat scan stacks)."""
+    outside = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    return param_count(model) - outside - model.hidden_size   # the final norm
 
 
 def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *,
@@ -127,9 +151,12 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
     tokens = rows_mb * length   # one micro-batch's
     per_layer = activation_bytes_per_token_layer(model, length, c) * tokens
     if trainer.remat:
-        activations = L * tokens * E * c + int(REMAT_RETAINED * L * per_layer) + per_layer
+        activations = L * tokens * E * c + per_layer
     else:
         activations = L * per_layer
+    if _blocked(length):   # one attention block's scores at a time
+        activations += (ATTENTION_BLOCK_COPIES * rows_mb * model.num_attention_heads
+                        * ATTENTION_BLOCK * length * 4)
     logit_tokens = rows_mb * positions_per_chunk(rows_mb, length, trainer.logprob_chunk)
     resident = [("params", n * p), ("Adam moments", 2 * n * p), ("process", PROCESS_BYTES)]
     if algo.needs_reference:
@@ -145,6 +172,9 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
         backward.append((f"weights in {trainer.compute_dtype}", n * c))
     backward.append((f"activations ({'remat' if trainer.remat else 'all layers'}, "
                      f"{tokens} tokens)", activations))
+    if trainer.remat:
+        backward.append(("layers' parameters and gradients stacked for the scan",
+                         2 * layer_param_count(model) * p))
     backward.append((f"logits ({logit_tokens} tokens x {V})",
                      LOGITS_COPIES * logit_tokens * V * 4))
     update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]

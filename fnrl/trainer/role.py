@@ -27,7 +27,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import zmq
 
 from fnrl.config import RunConfig, from_dict
 from fnrl.models.hf_io import load_pretrained, params_to_hf
@@ -58,7 +57,7 @@ class Trainer:
         self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
         self.mesh = mesh_from_config(tc.mesh)
         param_sh = shardings_for(logical_axes(self.model_cfg), host_params, self.mesh)
-        self.optimizer = make_optimizer(cfg.algo)
+        self.optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
         # Sharded init: shardings from shapes alone, then the state is built in place.
         state_sh = state_shardings(self.optimizer, host_params, param_sh)
         self.state = init_sharded_state(place_params(host_params, param_sh), self.optimizer,
@@ -193,15 +192,15 @@ def serve(args: argparse.Namespace) -> None:
     cfg = from_dict(RunConfig, json.loads(Path(args.config).read_text()))
     set_cpu_threads(cfg.trainer.cpu_threads)   # XLA sizes its CPU pool at backend start
     enable_compilation_cache()
-    sock = zmq.Context.instance().socket(zmq.REP)
-    sock.bind(args.address)
+    # Only requests sealed with the run's secret get through (fnrl.shell.auth).
+    server = wire.RoleServer(args.address, role="trainer")
     # Relays in chain order, master first; the publisher follows a re-elected master.
     # A master that stops answering is left after the tier's detection window, not 120 s.
     relay = MasterPublisher(args.relay.split(","), timeout_s=120.0,
                             liveness_s=detection_window_s(cfg.relay))
     trainer = None
     while True:
-        header, arrays = wire.decode(sock.recv_multipart(copy=False))
+        header, arrays = server.recv()
         try:
             cmd = header["cmd"]
             if cmd in ("standby", "warm"):
@@ -209,7 +208,7 @@ def serve(args: argparse.Namespace) -> None:
                 # `warm` compiles batch shapes seen since.
                 if trainer is None:
                     trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
-                wire.send(sock, {"warmed": trainer.warm_up()})
+                server.reply({"warmed": trainer.warm_up()})
             elif cmd in ("init", "takeover"):
                 standby = trainer is not None
                 if trainer is None:
@@ -219,7 +218,7 @@ def serve(args: argparse.Namespace) -> None:
                 if latest is None or latest.version < trainer.version:
                     # Visible before the reply: rollouts pull right after a resume.
                     relay.publish(trainer.version, trainer.hf_weights(), wait="visible")
-                wire.send(sock, {"version": trainer.version, "resumed_from": trainer.resumed_from})
+                server.reply({"version": trainer.version, "resumed_from": trainer.resumed_from})
             elif cmd == "train":
                 trainer.note_batch_spec(arrays)
                 metrics, weights = trainer.train(arrays)
@@ -227,16 +226,16 @@ def serve(args: argparse.Namespace) -> None:
                 if weights is not None:
                     relay.publish(trainer.version, weights)
                 metrics["time/publish_s"] = time.perf_counter() - t0
-                wire.send(sock, {"version": trainer.version, "metrics": metrics})
+                server.reply({"version": trainer.version, "metrics": metrics})
             elif cmd == "shutdown":
                 if trainer is not None:
                     trainer.checkpoints.close()
-                wire.send(sock, {"ok": True})
+                server.reply({"ok": True})
                 return
             else:
                 raise ValueError(f"unknown trainer command {cmd!r}")
         except Exception:  # noqa: BLE001 - any failure goes back to the controller, named
-            wire.send(sock, {"error": traceback.format_exc()})
+            server.reply({"error": traceback.format_exc()})
 
 
 def main() -> None:

@@ -33,11 +33,34 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping; a non-finite gradient skips the update entirely."""
+def lr_schedule(algo: AlgoConfig, total_steps: int = 0) -> optax.Schedule:
+    """The learning rate at each update (algo.lr_schedule): a linear warmup from 0 over
+    `algo.lr_warmup_steps`, then constant, or a decay to `algo.lr_end_ratio` × the rate
+    at update `total_steps` (the run's steps), which a decaying schedule needs."""
+    peak, warmup = algo.learning_rate, algo.lr_warmup_steps
+    if algo.lr_schedule != "constant" and total_steps <= warmup:
+        raise ValueError(f"algo.lr_schedule={algo.lr_schedule!r} decays until the run's last "
+                         f"step, which must come after algo.lr_warmup_steps={warmup} "
+                         f"(steps={total_steps})")
+    rise = optax.linear_schedule(0.0, peak, warmup) if warmup else optax.constant_schedule(peak)
+    end = peak * algo.lr_end_ratio
+    fall = {"constant": lambda: optax.constant_schedule(peak),
+            "cosine": lambda: optax.cosine_decay_schedule(peak, total_steps - warmup,
+                                                          alpha=algo.lr_end_ratio),
+            "linear": lambda: optax.linear_schedule(peak, end, total_steps - warmup)
+            }[algo.lr_schedule]()
+    return optax.join_schedules([rise, fall], [warmup]) if warmup else fall
+
+
+def make_optimizer(algo: AlgoConfig, total_steps: int = 0) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping at the rate of `lr_schedule(algo, total_steps)`;
+    a non-finite gradient skips the update entirely."""
+    # A constant rate stays a float: the optimizer state is the same as without schedules.
+    rate = (algo.learning_rate if algo.lr_schedule == "constant" and not algo.lr_warmup_steps
+            else lr_schedule(algo, total_steps))
     inner = optax.chain(
         optax.clip_by_global_norm(algo.max_grad_norm),
-        optax.adamw(algo.learning_rate, b1=0.9, b2=0.999, weight_decay=algo.weight_decay),
+        optax.adamw(rate, b1=0.9, b2=0.999, weight_decay=algo.weight_decay),
     )
     # apply_if_finite leaves params and moments untouched when the gradients are NaN/Inf
     # (train_step also checks the loss, and keeps its counters unchanged too).

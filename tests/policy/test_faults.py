@@ -25,10 +25,30 @@ def test_exit_and_exception_are_failures_at_once():
 def test_trainer_hang_counts_only_during_the_training_phase():
     idle = _trainer(busy_since_s=None, last_progress_s=0.0)
     assert F.detect(10_000.0, (idle,), CFG) == ()
-    training = _trainer(busy_since_s=100.0, last_progress_s=50.0)
+    training = _trainer(busy_since_s=100.0, last_progress_s=50.0, steps_done=3,
+                        longest_step_s=20.0)
     assert F.detect(399.0, (training,), CFG) == ()
     (f,) = F.detect(400.0, (training,), CFG)
     assert "no progress for 300s" in f.reason
+
+
+def test_the_trainer_window_grows_with_its_steps_and_covers_a_compiling_first_step():
+    cfg = F.FaultConfig(trainer_hang_s=300, trainer_hang_factor=4, trainer_first_step_s=1800)
+    # A 0.5B model's step on CPU: 400 s each; the floor alone would fail every step.
+    slow = _trainer(busy_since_s=0.0, steps_done=2, longest_step_s=400.0)
+    assert F.trainer_window_s(slow, cfg) == 1600.0
+    assert F.detect(1599.0, (slow,), cfg) == ()
+    (f,) = F.detect(1600.0, (slow,), cfg)
+    assert "no progress for 1600s" in f.reason
+    # The first step after a (re)start compiles: its own, longer window.
+    first = _trainer(busy_since_s=0.0, steps_done=0, longest_step_s=400.0)
+    assert F.trainer_window_s(first, cfg) == 1800.0
+    assert F.detect(1700.0, (first,), cfg) == ()
+    # Fast steps keep the floor.
+    fast = _trainer(busy_since_s=0.0, steps_done=5, longest_step_s=2.0)
+    assert F.trainer_window_s(fast, cfg) == 300.0
+    with pytest.raises(ValueError, match="trainer_hang_factor"):
+        F.FaultConfig(trainer_hang_factor=0)
 
 
 def test_a_slow_rollout_that_answers_heartbeats_is_not_failed():

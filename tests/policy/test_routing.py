@@ -40,6 +40,24 @@ def test_waterfall(mu, expect):
     assert plan.admissions == [(1, expect)]
 
 
+@pytest.mark.parametrize("mu", [1.0, 0.99])
+@pytest.mark.parametrize("kv_residue", [0.0, 1e-12])
+def test_mu_near_one_still_admits_to_an_idle_rollout(mu, kv_residue):
+    """Issue 15: gains are taken at the length rounded up (100 → 2^(107/16) ≈ 103.4), so
+    a threshold at the exact length sat above even an idle rollout's gain and μ ≥ 0.99
+    routed nothing. μ = 1 means "only as good as an idle rollout": the idle one (with or
+    without a float residue of KV from drained trajectories) takes it, the busy one not."""
+    cost = CostModel(k1=0.01, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(100 + i, 50, 0, 0, 50) for i in range(4)] + [(7, 1, -1, 0, 100)]
+    snap = snapshot(versions=[0, 0], kv=[200.0, kv_residue], cap=1000.0, trajs=trajs)
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4))
+    plan = route(WorkingView(snap, {}, cost), s, st.empty_counts(s), mu)
+    assert plan.routes == {1: [4]}
+    # Only a busy rollout: its gain is below ΔT_ideal, so μ = 1 withholds.
+    busy = snapshot(versions=[0], kv=[200.0], cap=1000.0, trajs=trajs)
+    assert route(WorkingView(busy, {}, cost), s, st.empty_counts(s), 1.0).routes == {}
+
+
 def test_routing_stops_at_head_of_line():
     """A partial trajectory that fits nowhere withholds everything behind it (Alg. 3)."""
     cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)

@@ -22,14 +22,14 @@ def test_arrays_round_trip_without_changing_dtype_or_shape():
         client.connect(address)
         arrays = {"tokens_BxT": np.arange(6, dtype=np.int32).reshape(2, 3),
                   "adv_B": np.array([0.5, -1.5], np.float32)}
-        wire.send(client, {"op": "train"}, arrays)
+        nonce = wire.send(client, {"op": "train"}, arrays)
         header, got = wire.recv(server, timeout_s=5, role="trainer")
-        assert header == {"op": "train"}
+        assert header == {"op": "train", "_nonce": nonce}
         for name, a in arrays.items():
             assert got[name].dtype == a.dtype and np.array_equal(got[name], a)
-        wire.send(server, {"error": "Traceback: boom"})
+        wire.send(server, {"error": "Traceback: boom"}, reply_to=nonce)
         with pytest.raises(wire.RoleError, match="trainer failed:\nTraceback: boom"):
-            wire.recv(client, timeout_s=5, role="trainer")
+            wire.recv(client, timeout_s=5, role="trainer", reply_to=nonce)
     finally:
         server.close()
         client.close()

@@ -3,8 +3,9 @@
 import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
-from fnrl.models.decoder import DecoderConfig
-from fnrl.trainer.memory import PROCESS_BYTES, param_count, trainer_memory
+from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig
+from fnrl.trainer.memory import (ATTENTION_BLOCK_COPIES, PROCESS_BYTES,
+                                 activation_bytes_per_token_layer, param_count, trainer_memory)
 
 # V=100, E=8, I=16, 2 layers, H=2 heads, K=1 kv head, D=4, tied, Qwen2 (q/k/v biases).
 TINY = DecoderConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
@@ -22,15 +23,15 @@ def test_float32_unchunked_figures_by_hand():
     tm = trainer_memory(TINY, TrainerConfig(), AlgoConfig(), rows=4, length=8)
     n = 2024
     assert dict(tm.resident) == {"params": 4 * n, "Adam moments": 8 * n, "process": PROCESS_BYTES}
-    # Per token and layer: (4*8 + 2*(2+2*1)*4 + 2*4 + 4*16) * 4 bytes + RoPE's float32
-    # q and k (2+1)*4*4 = 592; attention: 2 heads * 8 keys * 2 float32 arrays * 4 = 128.
+    # Per token and layer: (4*8 + 2*(2+2*1)*4 + 2*4 + 8*16) * 4 bytes + RoPE's float32
+    # q and k (2+1)*4*4 = 848; attention: 2 heads * 8 keys * 2 float32 arrays * 4 = 128.
     assert dict(tm.backward) == {"gradients": 4 * n, "tied embedding's second gradient": 100 * 8 * 4,
-                                 "activations (all layers, 32 tokens)": 2 * 32 * (592 + 128),
+                                 "activations (all layers, 32 tokens)": 2 * 32 * (848 + 128),
                                  "logits (32 tokens x 100)": 2 * 32 * 100 * 4}
     assert dict(tm.update) == {"gradients": 4 * n, "AdamW temporaries": 12 * n}
     assert dict(tm.save) == {"checkpoint copy of the state": 12 * n,
                              "weights for the relay": 4 * n}
-    backward = 4 * n + 3200 + 46080 + 25600
+    backward = 4 * n + 3200 + 62464 + 25600
     assert tm.peak_bytes == tm.step_peak_bytes == 12 * n + PROCESS_BYTES + backward
 
 
@@ -43,18 +44,20 @@ def test_chunks_remat_bf16_micro_batches_and_kl_by_hand():
     assert dict(tm.resident)["KL reference weights"] == 2 * n
     backward = dict(tm.backward)
     # A micro-batch: 2 rows x 8 = 16 tokens; a chunk: 2 rows x (4 // 2) positions.
-    # bf16 per token and layer: (32 + 32 + 8 + 64) * 2 + 48 = 320, attention (float32)
-    # 2*8*2*4 = 128: 448, 7,168 for 16 tokens. Remat keeps the 2 layers' inputs (8 * 2
-    # bytes a token), 70 % of each layer on CPU (REMAT_RETAINED) and one recomputed layer.
-    assert backward["activations (remat, 16 tokens)"] == 2 * 16 * 8 * 2 + 10035 + 7168
+    # bf16 per token and layer: (32 + 32 + 8 + 128) * 2 + 48 = 448, attention (float32)
+    # 2*8*2*4 = 128: 576, 9,216 for 16 tokens. Remat keeps the 2 layers' inputs (8 * 2
+    # bytes a token) and one recomputed layer; its scan stacks the layers' 2 * 608
+    # parameters and their gradients (float32).
+    assert backward["activations (remat, 16 tokens)"] == 2 * 16 * 8 * 2 + 9216
+    assert backward["layers' parameters and gradients stacked for the scan"] == 2 * 1216 * 4
     assert backward["logits (4 tokens x 100)"] == 2 * 4 * 100 * 4
     assert backward["gradient accumulator"] == 4 * n and backward["weights in bfloat16"] == 2 * n
     assert dict(tm.update) == {"gradients": 4 * n, "gradient accumulator": 4 * n,
                                "AdamW temporaries": 12 * n}
     assert dict(tm.save)["weights for the relay"] == 2 * n
-    # The backward pass (10 n + 24,115 bytes) outweighs the update (20 n = 40,480).
-    backward = 4 * n + 4 * n + 3200 + 2 * n + 17715 + 3200
-    assert backward == 44355
+    # The backward pass (10 n + 25,856 bytes) outweighs the update (20 n = 40,480).
+    backward = 4 * n + 4 * n + 3200 + 2 * n + 9728 + 9728 + 3200
+    assert backward == 46096
     assert tm.step_peak_bytes == 12 * n + 2 * n + PROCESS_BYTES + backward
 
 
@@ -67,3 +70,20 @@ def test_chunks_shrink_the_logits_of_a_qwen_sized_vocabulary(chunk):
                                    rows=8, length=1024).backward)
     tokens = 8 * 1024 if chunk == 0 else 1024
     assert backward[f"logits ({tokens} tokens x 151936)"] == 2 * tokens * 151936 * 4
+
+
+def test_long_sequences_keep_no_attention_scores_per_layer():
+    """Past one attention block the layers keep no T-wide scores: one block's scores
+    exist at a time, so activations grow linearly in T, not quadratically."""
+    qwen = DecoderConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    acts = {}
+    for length in (ATTENTION_BLOCK, 4 * ATTENTION_BLOCK):
+        backward = dict(trainer_memory(qwen, TrainerConfig(), AlgoConfig(), rows=8,
+                                       length=length).backward)
+        acts[length] = backward[f"activations (all layers, {8 * length} tokens)"]
+    per_token = activation_bytes_per_token_layer(qwen, 4 * ATTENTION_BLOCK, 4)
+    block_scores = ATTENTION_BLOCK_COPIES * 8 * 14 * ATTENTION_BLOCK * 4 * ATTENTION_BLOCK * 4
+    assert acts[4 * ATTENTION_BLOCK] == 24 * 8 * 4 * ATTENTION_BLOCK * per_token + block_scores
+    assert per_token < activation_bytes_per_token_layer(qwen, ATTENTION_BLOCK, 4)

@@ -1,5 +1,5 @@
 """The trainer's XLA scheduler choice: set once, never over the user's, and what it buys
-(rematerialisation that actually lowers XLA's buffer plan on CPU)."""
+(a lower buffer plan for the step on CPU)."""
 
 import json
 import os
@@ -51,9 +51,13 @@ def _temps(memory: bool) -> tuple[int, int]:
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def test_remat_lowers_the_step_only_under_the_memory_scheduler():
+def test_remat_lowers_the_step_under_either_scheduler_and_the_memory_one_the_plain_step():
+    """Remat's scan over layers keeps its recomputations in the backward loop whatever
+    the scheduler (an unrolled loop of checkpoints had them all hoisted by the
+    concurrency scheduler); the memory scheduler still lowers the plain step (measured:
+    40 against 57 MB plain, 13 MB with remat under both)."""
     plain, remat = _temps(memory=True)
-    assert remat < 0.6 * plain, (plain, remat)
-    # The concurrency scheduler (XLA's default) hoists every recomputation.
     plain_c, remat_c = _temps(memory=False)
-    assert remat_c > 0.9 * plain_c, (plain_c, remat_c)
+    assert remat < 0.6 * plain, (plain, remat)
+    assert remat_c < 0.6 * plain_c, (plain_c, remat_c)
+    assert plain < 0.85 * plain_c, (plain, plain_c)

@@ -1,0 +1,51 @@
+"""Where the job's roles listen (fnrl.control.roles, fnrl.serving.server)."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+
+from fnrl.config.base import check
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_host(host: str) -> bool:
+    """Whether `host` is an IP address or a host name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.split(".")
+    return 0 < len(host) <= 253 and all(
+        0 < len(label) <= 63 and label.isascii() and label.replace("-", "").isalnum()
+        and not label.startswith("-") and not label.endswith("-") for label in labels)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this host only: a loopback address or localhost."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the roles listen. Nothing listens beyond loopback unless asked."""
+
+    bind_host: str = LOOPBACK
+    """Address the vLLM servers bind. Loopback by default; any other (the node's address
+    when the cluster spans nodes, or 0.0.0.0) makes each server require the run's API key
+    on every path but /health (fnrl.serving.http_auth). ZeroMQ control messages are
+    authenticated with the run's secret wherever they listen (fnrl.shell.auth)."""
+    require_api_key: bool = False
+    """Require the API key on loopback too (a host shared with other users, who can reach
+    127.0.0.1 and vLLM's /collective_rpc on it)."""
+
+    def __post_init__(self):
+        check(is_host(self.bind_host), "ClusterConfig", "bind_host", self.bind_host,
+              "must be an IP address or a host name")

@@ -1,0 +1,95 @@
+"""The simulator's configuration: the cluster, the workload and the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fnrl.config.base import check
+from fnrl.sim.workload import WorkloadSpec
+
+PLACEMENTS = ("disaggregated", "colocated")
+WEIGHT_SYNCS = ("relay", "nccl")
+ABLATIONS = ("repack", "balance", "migration")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    gpu: str = "h100"
+    """A [gpu.NAME] of fnrl/sim/costs.toml."""
+    model: str = "qwen3-30b-a3b"
+    """A [model.NAME] of fnrl/sim/costs.toml."""
+    placement: str = "disaggregated"
+    """"disaggregated" (trainer and rollouts on their own GPUs) or "colocated" (verl-style:
+    both on every GPU, taking turns; only with η = 0)."""
+    train_gpus: int = 0
+    """Trainer GPUs when disaggregated (0: half of them)."""
+    rollout_tp: int = 4
+    """GPUs per rollout instance."""
+    gpus_per_machine: int = 8
+    """One relay per rollout machine (Laminar)."""
+    decode: str = "roofline"
+    """"roofline" (from model and GPU), a [decode.NAME] of costs.toml, or the path of a
+    JSON written by `python -m fnrl.experiments.profile_cost`."""
+    weight_sync: str = "relay"
+    """"relay" (Laminar: stall, chain broadcast, PCIe pull) or "nccl" (global broadcast)."""
+    kv_capacity_tokens: int = 0
+    """KV tokens per instance (0: HBM less weights, costs.kv_capacity_tokens)."""
+    max_num_seqs: int = 1024
+    train_mfu: float = 0.35
+    train_step_s: float = 0.0
+    """> 0: every train step takes this long (a measured figure) instead of the FLOPs model."""
+    publish_s: float = -1.0
+    """>= 0: the trainer's publish stall (measured) instead of the model's."""
+    pull_s: float = -1.0
+    """>= 0: a rollout's weight load (measured) instead of the model's."""
+
+    def __post_init__(self):
+        check(self.placement in PLACEMENTS, "ClusterSpec", "placement", self.placement,
+              f"must be one of {PLACEMENTS}")
+        check(self.weight_sync in WEIGHT_SYNCS, "ClusterSpec", "weight_sync", self.weight_sync,
+              f"must be one of {WEIGHT_SYNCS}")
+        for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs"):
+            check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
+        for name in ("train_gpus", "kv_capacity_tokens", "train_step_s"):
+            check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
+        check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
+              "must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """python -m fnrl.sim --preset fnrl --gpus 1024 --steps 100 ..."""
+
+    preset: str = "fnrl"
+    """A preset of fnrl.experiments.presets: the same coordinator the real job runs."""
+    gpus: int = 64
+    steps: int = 20
+    seed: int = 0
+    eta: int = -1
+    """>= 0: override the preset's staleness bound η."""
+    ablate: tuple[str, ...] = ()
+    """Mechanisms of the preset switched off: "repack", "balance", "migration"."""
+    cycle_s: float = 1.0
+    """Least virtual time between two decision cycles; a cycle runs when something landed
+    (a trajectory finished, a pull, a step) or commands were issued. The loop's own tick
+    is 0.1 s (with --loop-ticks, the exact cadence); a coarser one keeps long runs fast
+    (a 20K-token response takes minutes, a cycle at 1,024 GPUs ~10 ms of CPU)."""
+    loop_ticks: bool = False
+    """Tick exactly as the real loop does: a cycle at every wake, and one `cycle_s` after
+    every cycle even when nothing happened (its idle tick). Exact, but slow at scale."""
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    out: str = ""
+    """Run directory ('': runs/sim-PRESET-GPUS)."""
+    timeline_rollouts: int = 8
+    """Rollouts whose placements the timeline records."""
+    timeline_dt_s: float = 1.0
+    plots: bool = True
+
+    def __post_init__(self):
+        for name in ("gpus", "steps"):
+            check(getattr(self, name) > 0, "SimConfig", name, getattr(self, name), "must be > 0")
+        check(self.cycle_s >= 0, "SimConfig", "cycle_s", self.cycle_s, "must be >= 0")
+        for name in self.ablate:
+            check(name in ABLATIONS, "SimConfig", "ablate", self.ablate, f"must be among {ABLATIONS}")
+        check(self.timeline_dt_s > 0, "SimConfig", "timeline_dt_s", self.timeline_dt_s, "must be > 0")

@@ -1,0 +1,250 @@
+"""The simulator's cost models: small pure functions, parameters in `costs.toml`.
+
+- Decode: StaleFlow's per-step latency L = k1·kv + max(k2, k3·n) + k4 (App. B Eq. 11,
+  `fnrl.config.CostModel`), from a named coefficient set (Table 4), from the JSON that
+  `python -m fnrl.experiments.profile_cost` fits on a real engine, or derived from the
+  model and GPU (`roofline_decode`). Between two events an instance's batch is fixed and
+  its KV grows by n tokens a step, so m steps take a closed form (`decode_steps_s`) and
+  the simulator never walks single steps.
+- Prefill (compute-bound), KV capacity in tokens (HBM left after the weights).
+- Train step: model FLOPs × tokens / (GPUs × peak × MFU), attention included.
+- Weight movement: Laminar's publish stall, chain broadcast (App. C: the relay at chain
+  position j holds the last of k chunks after (j + k − 1)·t_chunk) and the rollout's
+  PCIe pull; against an NCCL broadcast from the trainer and a colocated in-GPU reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fnrl.config import CostModel
+from fnrl.config.base import check, positive
+
+COSTS_FILE = Path(__file__).with_name("costs.toml")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+    pcie_bw: float
+    nic_bw: float
+
+    def __post_init__(self):
+        positive(self, "peak_flops", "hbm_bytes", "hbm_bw", "pcie_bw", "nic_bw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    params: float
+    active_params: float
+    layers: int
+    attn_dim: int
+    kv_bytes_per_token: float
+    dtype_bytes: int = 2          # BF16 weights in training and serving
+
+    def __post_init__(self):
+        positive(self, "params", "active_params", "kv_bytes_per_token", "dtype_bytes")
+        check(self.layers >= 0 and self.attn_dim >= 0, "ModelSpec", "layers/attn_dim",
+              (self.layers, self.attn_dim), "must be >= 0")
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RooflineParams:
+    hbm_efficiency: float = 0.7
+    decode_mfu: float = 0.5
+    step_overhead_s: float = 4e-3
+    prefill_mfu: float = 0.5
+    kv_memory_fraction: float = 0.9
+
+    def __post_init__(self):
+        positive(self, "hbm_efficiency", "decode_mfu", "prefill_mfu", "kv_memory_fraction")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncParams:
+    push_bw: float = 100e9
+    hop_bw: float = 100e9
+    hop_start_s: float = 5e-6
+    chunk_bytes: float = 32 * 2**20
+    reload_s: float = 0.3
+    nccl_bw: float = 25e9
+    nccl_setup_s: float = 1.0
+    colocated_bw: float = 300e9
+
+    def __post_init__(self):
+        positive(self, "push_bw", "hop_bw", "chunk_bytes", "nccl_bw", "colocated_bw")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainParams:
+    mfu: float = 0.35
+    logprob_forward: bool = True
+
+    def __post_init__(self):
+        check(0 < self.mfu <= 1, "TrainParams", "mfu", self.mfu, "must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeCosts:
+    """One rollout instance's engine: the decode model plus prefill and per-request
+    costs (the extra terms `profile_cost` fits beside it)."""
+
+    cost: CostModel
+    prefill_s_per_token: float = 0.0
+    per_request_s: float = 0.0
+
+
+def load_table(path: Path | None = None) -> dict:
+    return tomllib.loads((path or COSTS_FILE).read_text())
+
+
+def _named(table: dict, kind: str, name: str) -> dict:
+    if name not in table.get(kind, {}):
+        raise ValueError(f"invalid config {kind}={name!r}: must be one of "
+                         f"{sorted(table.get(kind, {}))} (fnrl/sim/costs.toml)")
+    return table[kind][name]
+
+
+def gpu_spec(name: str, table: dict | None = None) -> GpuSpec:
+    return GpuSpec(**_named(table or load_table(), "gpu", name))
+
+
+def model_spec(name: str, table: dict | None = None) -> ModelSpec:
+    return ModelSpec(**_named(table or load_table(), "model", name))
+
+
+def named_decode(name: str, table: dict | None = None) -> CostModel:
+    return CostModel(**_named(table or load_table(), "decode", name))
+
+
+def load_profiled(path: str | Path) -> DecodeCosts:
+    """The JSON `python -m fnrl.experiments.profile_cost` writes (k1..k5, and the
+    prefill and per-request terms it fits beside them when present)."""
+    data = json.loads(Path(path).read_text())
+    try:
+        cost = CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
+    except KeyError as err:
+        raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
+    return DecodeCosts(cost=cost, prefill_s_per_token=float(data.get("prefill_s_per_token", 0.0)),
+                       per_request_s=float(data.get("per_request_s", 0.0)))
+
+
+# --- decode -------------------------------------------------------------------------------
+
+
+def step_s(cost: CostModel, kv: float, n: int) -> float:
+    """One decode step with n running trajectories holding kv KV tokens (Eq. 11)."""
+    return cost.k1 * cost.k5 * kv + max(cost.k2, cost.k3 * n) + cost.k4
+
+
+def decode_steps_s(cost: CostModel, kv0: float, n: int, m: int) -> float:
+    """m consecutive steps of a fixed batch of n that holds kv0 tokens before the first
+    and adds n tokens each step: Σ_{j<m} L(kv0 + n·j, n)."""
+    return m * step_s(cost, kv0, n) + cost.k1 * cost.k5 * n * m * (m - 1) / 2.0
+
+
+def steps_within(cost: CostModel, kv0: float, n: int, dt: float) -> int:
+    """The most whole steps that end within dt (inverse of `decode_steps_s`)."""
+    if dt <= 0 or n <= 0:
+        return 0
+    a = cost.k1 * cost.k5 * n / 2.0
+    b = step_s(cost, kv0, n) - a
+    m = dt / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a)
+    m = max(int(m), 0)
+    # The root is exact up to rounding: settle it on the integers.
+    while m > 0 and decode_steps_s(cost, kv0, n, m) > dt:
+        m -= 1
+    while decode_steps_s(cost, kv0, n, m + 1) <= dt:
+        m += 1
+    return m
+
+
+def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams) -> DecodeCosts:
+    """Eq. 11's coefficients from first principles for one instance of `tp` GPUs:
+    k1 reads one KV token, k2 reads every weight once (an MoE at a large batch touches
+    all experts), k3 is one sequence's matmul FLOPs past the roofline, k4 the fixed
+    per-step overhead; prefill is compute-bound at prefill_mfu."""
+    bw = tp * gpu.hbm_bw * p.hbm_efficiency
+    cost = CostModel(k1=model.kv_bytes_per_token / bw, k2=model.weight_bytes / bw,
+                     k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu),
+                     k4=p.step_overhead_s, k5=1.0)
+    prefill = 2 * model.active_params / (tp * gpu.peak_flops * p.prefill_mfu)
+    return DecodeCosts(cost=cost, prefill_s_per_token=prefill)
+
+
+def kv_capacity_tokens(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams) -> int:
+    """KV tokens one instance holds: its share of HBM (vLLM's memory utilisation) less
+    the weights."""
+    free = tp * gpu.hbm_bytes * p.kv_memory_fraction - model.weight_bytes
+    if free <= 0:
+        raise ValueError(f"invalid config tp={tp}: {model.weight_bytes / 1e9:.0f} GB of weights "
+                         f"do not fit in {tp} x {gpu.hbm_bytes / 1e9:.0f} GB")
+    return int(free // model.kv_bytes_per_token)
+
+
+# --- training -------------------------------------------------------------------------------
+
+
+def train_flops(model: ModelSpec, seq_lens, *, logprob_forward: bool) -> float:
+    """Forward + backward FLOPs of one step: 6·N per token (Kaplan et al.) plus causal
+    attention, 3 × (2·layers·attn_dim·ctx per token, ctx averaging len/2) = 3·L·d·len²
+    per sequence; one more forward (a third) for the old log-probs."""
+    total = sum(seq_lens)
+    squares = sum(n * n for n in seq_lens)
+    flops = 6.0 * model.active_params * total + 3.0 * model.layers * model.attn_dim * squares
+    return flops * (4.0 / 3.0 if logprob_forward else 1.0)
+
+
+def train_step_s(model: ModelSpec, gpu: GpuSpec, gpus: int, seq_lens, p: TrainParams) -> float:
+    return train_flops(model, seq_lens, logprob_forward=p.logprob_forward) / (
+        gpus * gpu.peak_flops * p.mfu)
+
+
+# --- weight movement --------------------------------------------------------------------------
+
+
+def publish_stall_s(nbytes: float, p: SyncParams) -> float:
+    """Laminar step ①: the trainer pushes to the master relay, then resumes."""
+    return nbytes / p.push_bw
+
+
+def chain_chunk_s(nbytes: float, p: SyncParams) -> tuple[int, float]:
+    """(k, t_chunk): chunk count and one hop of one chunk (App. C)."""
+    k = max(1, math.ceil(nbytes / p.chunk_bytes))
+    return k, (nbytes / k) / p.hop_bw + p.hop_start_s
+
+
+def chain_arrival_s(nbytes: float, position: int, p: SyncParams) -> float:
+    """When the relay at chain `position` (0: the master) holds the whole version,
+    after the master has it. The last relay of p gets it at (p + k − 2)·t_chunk,
+    App. C Eq. 1."""
+    if position <= 0:
+        return 0.0
+    k, t_chunk = chain_chunk_s(nbytes, p)
+    return (position + k - 1) * t_chunk
+
+
+def relay_pull_s(nbytes: float, tp: int, gpu: GpuSpec, p: SyncParams) -> float:
+    """Laminar step ③: each of the instance's GPUs loads its shard over PCIe."""
+    return nbytes / tp / gpu.pcie_bw + p.reload_s
+
+
+def nccl_sync_s(nbytes: float, tp: int, p: SyncParams) -> float:
+    """A trainer → rollout NCCL broadcast (verl-style global sync): gather and reshard
+    on the trainer, then each GPU receives its shard; the trainer waits for it all."""
+    return p.nccl_setup_s + nbytes / tp / p.nccl_bw
+
+
+def colocated_sync_s(nbytes: float, tp: int, p: SyncParams) -> float:
+    """Colocated: the train layout is resharded into the engine's on the same GPUs."""
+    return nbytes / tp / p.colocated_bw + p.reload_s

@@ -1,0 +1,247 @@
+"""A simulated rollout instance: vLLM-style continuous batching over the decode cost model.
+
+Trajectories are rows of `Trajectories` (columns, so the controller's snapshot is a
+few numpy gathers). An `Instance` runs a batch of them: every decode step adds one
+token to each running trajectory and takes L(kv, n) seconds (fnrl.sim.costs). Between
+two events the batch is fixed, so the instance keeps an anchor (step count, time, KV)
+and computes any later step's time in closed form; the next event is the earlier of
+the next completion and the step at which the KV cache would overflow.
+
+- Admission: first-come first-served from the waiting queue while the context fits the
+  KV cache and the batch is under `max_num_seqs`; admitting a trajectory prefills its
+  prompt plus the tokens it already has (a continued or preempted one re-prefills).
+- Preemption: when the next step would not fit, the newest running trajectory goes back
+  to the front of the queue, its KV freed (vLLM's recompute preemption).
+- Prefix cache: a trajectory that left (interrupted, migrated, preempted) and comes back
+  to the same engine re-prefills only what was evicted: its blocks stay cached until
+  later allocations have used up the free space it left (LRU), and a weight load resets
+  the cache (fnrl's servers call /reset_prefix_cache after every pull).
+- Pull: the engine stops generating until the new weights are loaded.
+
+Gaps (ours): KV is counted in tokens (a sequence's partly filled last block is
+ignored: under 16 tokens of a multi-thousand-token context); a step in progress when the
+batch changes finishes with the new batch (membership changes at step boundaries).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import numpy as np
+
+from fnrl.sim import costs
+from fnrl.sim.costs import DecodeCosts
+
+IN_TS, QUEUED, RUNNING, GONE = 0, 1, 2, 3   # Trajectories.state
+CLOCK_RESOLUTION_S = 1e-9
+"""Times this close are simultaneous (asyncio runs every timer due within its clock's
+resolution in one iteration; the real loop, tests/sim/test_real_loop.py, does)."""
+
+
+class Trajectories:
+    """Every trajectory of the run, by tid (dense, in arrival order)."""
+
+    def __init__(self, capacity: int = 1024):
+        self.n = 0
+        self.gid = np.zeros(capacity, np.int64)
+        self.prompt = np.zeros(capacity, np.int64)
+        self.target = np.zeros(capacity, np.int64)     # response tokens it will generate
+        self.gen = np.zeros(capacity, np.int64)        # generated, as of its last settle
+        self.join_step = np.zeros(capacity, np.int64)  # its instance's step when it started
+        self.fin_step = np.zeros(capacity, np.int64)   # ... and when it will finish
+        self.inst = np.full(capacity, -1, np.int64)    # -1: in the TS (or gone)
+        self.state = np.zeros(capacity, np.int8)
+        self.segments: list[list[tuple[int, int]]] = []   # (version, tokens) per placement
+
+    def add(self, gid: int, prompt: int, targets: np.ndarray) -> range:
+        k = len(targets)
+        if self.n + k > len(self.gid):
+            grow = max(len(self.gid), k)
+            for name in ("gid", "prompt", "target", "gen", "join_step", "fin_step", "inst", "state"):
+                a = getattr(self, name)
+                fill = -1 if name == "inst" else 0
+                setattr(self, name, np.concatenate([a, np.full(grow, fill, a.dtype)]))
+        tids = range(self.n, self.n + k)
+        self.gid[tids.start:tids.stop] = gid
+        self.prompt[tids.start:tids.stop] = prompt
+        self.target[tids.start:tids.stop] = targets
+        self.segments.extend([] for _ in tids)
+        self.n += k
+        return tids
+
+    def context(self, tid: int) -> int:
+        return int(self.prompt[tid] + self.gen[tid])
+
+
+class Instance:
+    """One rollout engine (a TP group of GPUs)."""
+
+    def __init__(self, rid: int, decode: DecodeCosts, trajs: Trajectories, *, kv_capacity: int,
+                 max_num_seqs: int, version: int = 0):
+        self.rid, self.trajs = rid, trajs
+        self.cost = decode.cost
+        self.prefill_s, self.request_s = decode.prefill_s_per_token, decode.per_request_s
+        self.cap, self.max_num_seqs, self.version = float(kv_capacity), max_num_seqs, version
+        self.step, self.t, self.n, self.kv = 0, 0.0, 0, 0.0
+        self.running: dict[int, int] = {}       # tid -> finish step, in admission order
+        self.queue: deque[int] = deque()
+        self._fin: list[tuple[int, int]] = []   # (finish step, tid), stale entries skipped
+        self.pulling = False
+        self.pending_step: int | None = None     # the step of the scheduled event
+        self._step_end = 0.0                     # when the step in progress ends
+        self.gen = 0                             # bumps invalidate scheduled events
+        self.complete = 0                        # finished here since its last Pull
+        # Accounting, with the attribute names fnrl.control.report reads.
+        self.kv_capacity = self.cap
+        self.active_s = self.kv_token_s = self.blocked_s = 0.0
+        self.busy_s = 0.0                        # decoding or prefilling
+        self.prefill_tokens = self.preemptions = self.cache_hit_tokens = 0
+        self.alloc = 0                           # KV tokens ever allocated here (LRU clock)
+        self._cached: dict[int, tuple[int, int, float]] = {}   # tid -> (tokens, alloc, free)
+
+    # --- time -----------------------------------------------------------------------------
+
+    def advance(self, now: float) -> None:
+        """Moves the anchor to the last step boundary at or before `now`, and before
+        the scheduled event's step whatever the rounding."""
+        if self.pulling:
+            return
+        if self.n == 0:
+            self.t = max(self.t, now)
+            return
+        m = costs.steps_within(self.cost, self.kv, self.n, now - self.t + CLOCK_RESOLUTION_S)
+        if self.pending_step is not None:
+            m = min(m, max(self.pending_step - self.step - 1, 0))
+        self._take(m)
+        # When the step now running ends (with the batch it started with): if every
+        # trajectory leaves during it, the engine still finishes it (the GPU work is in
+        # flight), and newcomers start after it. A batch not started yet (t in the
+        # future: prefill, or a step finishing) has no step of its own running.
+        self._step_end = self.t + costs.step_s(self.cost, self.kv, self.n) if self.t <= now \
+            else self.t
+
+    def _take(self, m: int) -> None:
+        dt = costs.decode_steps_s(self.cost, self.kv, self.n, m)
+        self.t += dt
+        self.busy_s += dt
+        self.step += m
+        self.kv += self.n * m
+        self.alloc += self.n * m
+
+    def next_event(self) -> tuple[float, int] | None:
+        """(time, step) of the next completion or KV overflow, or None when idle."""
+        self.pending_step = None
+        if self.pulling or self.n == 0:
+            return None
+        fin = self._fin
+        while fin and not self._valid(*fin[0]):
+            heapq.heappop(fin)
+        m_fin = fin[0][0] - self.step
+        m_kv = int((self.cap - self.kv) // self.n)   # steps that fit before it overflows
+        m = max(min(m_fin, m_kv), 0)
+        self.pending_step = self.step + m
+        return self.t + costs.decode_steps_s(self.cost, self.kv, self.n, m), self.step + m
+
+    def on_event(self, t: float, step: int) -> list[int]:
+        """The scheduled event at `step` happened at time t: returns the tids that finished."""
+        self._take(step - self.step)
+        self.t = self._step_end = t   # exact, not re-summed; no step in progress yet
+        done = []
+        fin, trajs = self._fin, self.trajs
+        while fin and fin[0][0] <= self.step:
+            s, tid = heapq.heappop(fin)
+            if self._valid(s, tid):
+                self._leave(tid)
+                trajs.state[tid], trajs.inst[tid] = GONE, -1
+                self.complete += 1
+                done.append(tid)
+        while self.n > 0 and self.kv + self.n > self.cap:
+            victim = next(reversed(self.running))
+            self._leave(victim)
+            trajs.state[victim] = QUEUED
+            self.queue.appendleft(victim)
+            self.preemptions += 1
+        return done
+
+    # --- membership -----------------------------------------------------------------------
+
+    def _valid(self, s: int, tid: int) -> bool:
+        return self.running.get(tid) == s
+
+    def _leave(self, tid: int) -> None:
+        """A running trajectory stops here: its tokens are settled into a segment."""
+        tr = self.trajs
+        made = self.step - int(tr.join_step[tid])
+        if made > 0:
+            tr.gen[tid] += made
+            tr.segments[tid].append((self.version, made))
+        # Joined during the step still in progress: one token fewer was counted (admit).
+        self.kv -= tr.context(tid) - (made < 0)
+        self.n -= 1
+        del self.running[tid]
+        if tr.state[tid] == RUNNING and tr.gen[tid] < tr.target[tid]:
+            self._cached[tid] = (tr.context(tid), self.alloc, self.cap - self.kv)
+
+    def enqueue(self, tid: int) -> None:
+        self.trajs.inst[tid], self.trajs.state[tid] = self.rid, QUEUED
+        self.queue.append(tid)
+
+    def remove(self, tid: int) -> None:
+        """Interrupt / migrate / abort: the trajectory leaves, its tokens kept."""
+        if self.trajs.state[tid] == RUNNING:
+            self._leave(tid)
+        else:
+            self.queue.remove(tid)
+        self.trajs.inst[tid], self.trajs.state[tid] = -1, IN_TS
+
+    def admit(self, now: float) -> int:
+        """Starts queued trajectories that fit (FCFS); returns the tokens prefilled."""
+        if self.pulling:
+            return 0
+        tr, prefill = self.trajs, 0
+        if self.n == 0:
+            self.t = max(self.t, now, self._step_end)
+        # A step is in progress: newcomers join the batch at its end (vLLM schedules a
+        # step's batch before running it). Their KV is counted one token short, which
+        # the step's growth (n tokens, them included) makes up.
+        late = 1 if self.t < now - CLOCK_RESOLUTION_S else 0
+        while self.queue and self.n < self.max_num_seqs:
+            tid = self.queue[0]
+            ctx = tr.context(tid)
+            # Room for its context and for one more step of the whole batch, so an
+            # admission never preempts at once.
+            if self.kv + ctx + self.n + 1 > self.cap:
+                break
+            self.queue.popleft()
+            tr.state[tid], tr.join_step[tid] = RUNNING, self.step + late
+            fin = self.step + late + int(tr.target[tid] - tr.gen[tid])
+            tr.fin_step[tid] = fin
+            heapq.heappush(self._fin, (fin, tid))
+            self.running[tid] = fin
+            self.n += 1
+            self.kv += ctx - late
+            hit = 0
+            if tid in self._cached:
+                tokens, alloc, free = self._cached.pop(tid)
+                hit = min(tokens, ctx) if self.alloc - alloc <= free else 0
+            self.cache_hit_tokens += hit
+            self.alloc += ctx - hit
+            prefill += ctx - hit
+            dt = self.prefill_s * (ctx - hit) + self.request_s
+            self.t += dt
+            self.busy_s += dt
+        self.prefill_tokens += prefill
+        return prefill
+
+    def begin_pull(self) -> None:
+        """Generation stops; anything still running waits at the front of the queue."""
+        for tid in reversed(list(self.running)):
+            self._leave(tid)
+            self.trajs.state[tid] = QUEUED
+            self.queue.appendleft(tid)
+        self.pulling = True
+        self._cached.clear()
+
+    def end_pull(self, now: float, version: int) -> None:
+        self.pulling, self.version, self.t = False, version, now
