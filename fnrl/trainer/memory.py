@@ -49,12 +49,14 @@ from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig, abstract_model
 from fnrl.trainer.logprobs import positions_per_chunk
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PROCESS_BYTES = 11 * 2**28   # 2.75 GiB
-"""Python, JAX, XLA's CPU runtime and what compiling the step leaves on the heap, beside
-the arrays: the measured peak RSS of a step is XLA's buffer plan + 0.82 to 0.96 GB for
-2 layers at 8 × 256 tokens, + 2.73 GB for 24 layers at 8 × 1,024 (fnrl.trainer.peak,
-Qwen2.5-0.5B-shaped, float32, chunked log-probs and remat, the first step compiling:
-compiling it alone peaks at 3.5 GB of RSS)."""
+PROCESS_BYTES = 2**30
+"""Python, JAX and XLA's CPU runtime beside the arrays, at least."""
+PROCESS_FRACTION = 0.2
+"""...or this fraction of the step's arrays, when larger: what compiling the step leaves
+on the heap grows with it. The measured peak RSS of a step is XLA's buffer plan + 0.82 to
+0.96 GB for 2 layers at 8 × 256 tokens (a 4.65 GB plan), + 2.73 GB for 24 layers at
+8 × 1,024 (a 13.83 GB plan; fnrl.trainer.peak, Qwen2.5-0.5B-shaped, float32, chunked
+log-probs and remat, the first step compiling: compiling it alone peaks at 3.5 GB)."""
 LOGITS_COPIES = 2
 """Float32 vocabulary-wide arrays per token alive at once in the backward pass (the
 logits and their cotangent; XLA fuses the softmax into them): fitted to XLA's buffer
@@ -158,7 +160,7 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
         activations += (ATTENTION_BLOCK_COPIES * rows_mb * model.num_attention_heads
                         * ATTENTION_BLOCK * length * 4)
     logit_tokens = rows_mb * positions_per_chunk(rows_mb, length, trainer.logprob_chunk)
-    resident = [("params", n * p), ("Adam moments", 2 * n * p), ("process", PROCESS_BYTES)]
+    resident = [("params", n * p), ("Adam moments", 2 * n * p)]
     if algo.needs_reference:
         resident.append(("KL reference weights", n * c))
     grads = [("gradients", n * p)]
@@ -179,5 +181,7 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
                      LOGITS_COPIES * logit_tokens * V * 4))
     update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]
     save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
+    arrays = _sum(resident) + max(_sum(backward), _sum(update))
+    resident.insert(2, ("process", max(PROCESS_BYTES, int(PROCESS_FRACTION * arrays))))
     return TrainerMemory(resident=tuple(resident), backward=tuple(backward),
                          update=tuple(update), save=save)

@@ -4,7 +4,7 @@ import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig
-from fnrl.trainer.memory import (ATTENTION_BLOCK_COPIES, PROCESS_BYTES,
+from fnrl.trainer.memory import (ATTENTION_BLOCK_COPIES, PROCESS_BYTES, PROCESS_FRACTION,
                                  activation_bytes_per_token_layer, param_count, trainer_memory)
 
 # V=100, E=8, I=16, 2 layers, H=2 heads, K=1 kv head, D=4, tied, Qwen2 (q/k/v biases).
@@ -87,3 +87,18 @@ def test_long_sequences_keep_no_attention_scores_per_layer():
     block_scores = ATTENTION_BLOCK_COPIES * 8 * 14 * ATTENTION_BLOCK * 4 * ATTENTION_BLOCK * 4
     assert acts[4 * ATTENTION_BLOCK] == 24 * 8 * 4 * ATTENTION_BLOCK * per_token + block_scores
     assert per_token < activation_bytes_per_token_layer(qwen, ATTENTION_BLOCK, 4)
+
+
+def test_the_process_share_grows_with_the_step_above_its_floor():
+    """What compiling leaves on the heap grows with the step: 1 GiB for small steps,
+    PROCESS_FRACTION of the step's arrays for large ones (2.73 GB measured at 13.8 GB)."""
+    qwen = DecoderConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    big = trainer_memory(qwen, TrainerConfig(logprob_chunk=1024, remat=True), AlgoConfig(),
+                         rows=8, length=1024)
+    process = dict(big.resident)["process"]
+    arrays = big.step_peak_bytes - process
+    assert process == int(PROCESS_FRACTION * arrays) > PROCESS_BYTES
+    small = trainer_memory(TINY, TrainerConfig(), AlgoConfig(), rows=4, length=8)
+    assert dict(small.resident)["process"] == PROCESS_BYTES
