@@ -99,6 +99,7 @@ class Cluster:
         self._trainer_argv: tuple[Path, Path, str] | None = None
         self._server_specs: dict[int, ServerSpec] = {}
         self._stopping = threading.Event()
+        self._stopped: dict[str, RoleProcess] = {}   # by name, what stop() stopped
         self._sampler = threading.Thread(target=self._sample_roles, name="role-sampler",
                                          daemon=True)
         self._sampler.start()
@@ -194,7 +195,16 @@ class Cluster:
         return restore
 
     def role(self, name: str) -> RoleProcess:
-        return next(r for r in self.roles if r.name == name)
+        """The live role `name`, or the last of that name that `stop` stopped: tasks that
+        outlive a stop (a stream asking whether its server exited) still find it."""
+        for r in self.roles:
+            if r.name == name:
+                return r
+        if name in self._stopped:
+            return self._stopped[name]
+        # KeyError, not StopIteration: raised inside a coroutine, StopIteration becomes a
+        # RuntimeError that hides which role was asked for.
+        raise KeyError(f"no role named {name!r}")
 
     def kill(self, name: str, *, sig: int = signal.SIGKILL, wait: bool = True) -> None:
         """Signal a role's process group: SIGKILL (a fault, injected or decided) or
@@ -273,6 +283,7 @@ class Cluster:
         relay tier stops its own relays (a stopped or killed one's shared-memory
         segments are unlinked too)."""
         self._stopping.set()
+        self._stopped.update((r.name, r) for r in self.roles)
         if self.relay_tier is not None:
             self.relay_tier.stop(grace_s)
             relays = set(self.relay_tier.members)
