@@ -44,11 +44,14 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 
 class RoleSampler:
-    """Peak RSS per role (summed over its process group) and peak relay shared memory."""
+    """Peak memory per role, summed over its process group: RSS, and the private part
+    (RSS less shared pages: file mappings and /dev/shm segments, which the relay's
+    shared-memory peak counts once), and the peak of the relay's shared memory."""
 
     def __init__(self, run_dir: Path, period_s: float = 0.5):
         self.run_dir, self.period_s = run_dir, period_s
         self.peak: dict[str, int] = {}
+        self.private_peak: dict[str, int] = {}
         self.shm_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -71,16 +74,21 @@ class RoleSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             roles = self._roles()
-            by_group: dict[int, int] = {}
+            rss: dict[int, int] = {}
+            private: dict[int, int] = {}
             for p in psutil.process_iter(["pid"]):
                 try:
                     pgid = os.getpgid(p.pid)
                     if pgid in roles.values():
-                        by_group[pgid] = by_group.get(pgid, 0) + p.memory_info().rss
+                        mem = p.memory_info()
+                        rss[pgid] = rss.get(pgid, 0) + mem.rss
+                        private[pgid] = private.get(pgid, 0) + mem.rss - mem.shared
                 except (psutil.Error, ProcessLookupError, PermissionError):
                     continue
             for name, pid in roles.items():
-                self.peak[name] = max(self.peak.get(name, 0), by_group.get(pid, 0))
+                self.peak[name] = max(self.peak.get(name, 0), rss.get(pid, 0))
+                self.private_peak[name] = max(self.private_peak.get(name, 0),
+                                              private.get(pid, 0))
             relay_pids = {str(pid) for name, pid in roles.items() if name.startswith("relay")}
             shm = 0
             for entry in os.scandir("/dev/shm"):
@@ -90,6 +98,16 @@ class RoleSampler:
                     except OSError:
                         pass
             self.shm_peak = max(self.shm_peak, shm)
+
+
+def planned_peaks(plan_file: Path) -> dict[str, float]:
+    """Each role's planned peak in GiB, read from the run's memory_plan.txt."""
+    planned = {}
+    for line in plan_file.read_text().splitlines() if plan_file.exists() else ():
+        parts = line.split()
+        if len(parts) == 3 and parts[1] == "peak":
+            planned[parts[0]] = float(parts[2])
+    return planned
 
 
 def main() -> int:
@@ -139,10 +157,15 @@ def main() -> int:
             code = subprocess.call(argv, cwd=ROOT)
         wall = time.perf_counter() - t0
         print(f"\nmain job exited with {code} after {wall:.0f}s")
-        print(f"{'role':<12}{'peak RSS GiB':>14}")
+        planned = planned_peaks(run_dir / "memory_plan.txt")
+        # Roles are named rollout<i> in roles.json and server<i> in the plan.
+        plan_of = lambda name: planned.get(name.replace("rollout", "server"), float("nan"))
+        print(f"{'role':<12}{'plan GiB':>10}{'peak RSS':>10}{'private':>10}")
         for name, peak in sorted(sampler.peak.items()):
-            print(f"{name:<12}{peak / GIB:>14.2f}")
-        print(f"{'relay shm':<12}{sampler.shm_peak / GIB:>14.2f}  (segments under /dev/shm)")
+            print(f"{name:<12}{plan_of(name):>10.2f}{peak / GIB:>10.2f}"
+                  f"{sampler.private_peak[name] / GIB:>10.2f}")
+        print(f"{'relay shm':<12}{'':>10}{sampler.shm_peak / GIB:>10.2f}  (segments under "
+              "/dev/shm; a relay's plan holds them, its private column does not)")
         metrics = run_dir / "metrics.jsonl"
         train = [r for r in map(json.loads, metrics.read_text().splitlines())
                  if r.get("kind") == "train"] if metrics.exists() else []

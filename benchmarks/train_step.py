@@ -14,13 +14,15 @@ thread pools). A round starts one process per side, lets each compile and warm u
 in turn, then has them take turns one step at a time in the order fnrl, torch,
 torch, fnrl, ... (ABBA), while the other waits idle: a burst of load from other jobs
 on a shared machine lands on both sides' steps of the same seconds instead of on one
-side's whole run. The first side alternates between rounds. A round's ratio is
+side's whole run. The first side alternates within each pair of rounds, the pairs in
+seeded random order (benchmarks/rounds.py, `--seed`). A round's ratio is
 torch's median step over fnrl's (the fnrl/torch throughput ratio); the result is the
 median of the rounds' ratios with their min–max spread, beside the same ratio of CPU
 seconds per step (all threads), which counts work rather than waiting for a core.
 Both sides get the same CPUs and thread count (`--threads`: the affinity that sizes
 XLA's intra-op pool, torch.set_num_threads and OMP/MKL; see fnrl.trainer.xla_flags),
-printed with the load average at the start and the end.
+printed with the environment (CPUs, MemAvailable, versions) and each round's load
+average at its start and end.
 
 Memory. `--memory` reports the peak trainer memory of one step of the
 Qwen2.5-0.5B-shaped model at 8 × 1,024 tokens: plain, chunked log-probs, chunked
@@ -44,6 +46,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_memory  # noqa: E402
+from rounds import Spread, environment, round_orders  # noqa: E402
+from rounds import load as _load  # noqa: E402
 
 from fnrl.trainer.xla_flags import set_cpu_threads  # noqa: E402
 
@@ -266,10 +270,6 @@ def _preset(args) -> dict:
     return p
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def speed(args, p: dict) -> None:
     """Rounds of paired processes, steps interleaved ABBA; per-round ratios, median, spread.
 
@@ -278,8 +278,8 @@ def speed(args, p: dict) -> None:
     other jobs lands on both sides' steps of the same seconds, not on one side's run.
     """
     rounds = []
-    for r in range(args.rounds):
-        order = ("fnrl", "torch") if r % 2 == 0 else ("torch", "fnrl")
+    for r, order in enumerate(round_orders(("fnrl", "torch"), args.rounds, seed=args.seed)):
+        load_start = _load()
         sides = {}
         for name in order:  # one at a time: each compiles while the other waits
             sides[name] = _PacedSide(name, args)
@@ -297,7 +297,7 @@ def speed(args, p: dict) -> None:
               f"torch {1e3 * med['torch']:7.1f} ms  ratio {rounds[-1]['ratio']:.2f}  "
               f"(CPU time: fnrl {1e3 * cpu['fnrl']:.0f} ms, torch {1e3 * cpu['torch']:.0f} ms, "
               f"ratio {rounds[-1]['cpu_ratio']:.2f}; threads fnrl {got['fnrl']['threads']} "
-              f"torch {got['torch']['threads']}; load {_load()})", flush=True)
+              f"torch {got['torch']['threads']}; load {load_start} -> {_load()})", flush=True)
     tokens = p["batch"] * p["seq"]
     flops = model_flops_per_token(p) * tokens
     for side in ("fnrl", "torch"):
@@ -314,15 +314,12 @@ def speed(args, p: dict) -> None:
             mfu = flops / sec / peak if peak else float("nan")
             line += f"  peak device memory {last['peak_device_mb']:.0f} MB  MFU {100 * mfu:.1f}%"
         print(line)
-    ratios = [x["ratio"] for x in rounds]
-    print(f"ratio fnrl/torch tokens per second: median {statistics.median(ratios):.2f} over "
-          f"{len(ratios)} rounds (min {min(ratios):.2f}, max {max(ratios):.2f}; "
-          f"per round {', '.join(f'{x:.2f}' for x in ratios)})  (goal >= 1.0)")
+    ratios = Spread.of([x["ratio"] for x in rounds])
+    print(f"ratio fnrl/torch tokens per second: {ratios.line()}  (goal >= 1.0)")
     # CPU seconds count work, not waiting for a core, so other jobs move them less; with
     # more than one thread they also count a pool's spinning.
-    cpu_ratios = [x["cpu_ratio"] for x in rounds]
-    print(f"ratio of CPU time per step, torch/fnrl: median {statistics.median(cpu_ratios):.2f} "
-          f"(min {min(cpu_ratios):.2f}, max {max(cpu_ratios):.2f})")
+    print(f"ratio of CPU time per step, torch/fnrl: "
+          f"{Spread.of([x['cpu_ratio'] for x in rounds]).line()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": p, "rounds": rounds}, f, indent=1)
@@ -388,6 +385,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of one process per side, order alternating (ABBA)")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)  # old name
+    parser.add_argument("--seed", type=int, default=0, help="seed of the rounds' side order")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPUs and intra-op threads for both sides (default: all allowed)")
     parser.add_argument("--memory", action="store_true", help="the peak-memory column instead")
@@ -416,9 +414,9 @@ def main() -> None:
           f"layers={p['num_hidden_layers']} hidden={p['hidden_size']} vocab={p['vocab_size']} "
           f"threads={args.threads} (of {os.cpu_count()} CPUs) "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"load average at start: {_load()}", flush=True)
+    print(environment(), flush=True)
     (memory if args.memory else speed)(args, p)
-    print(f"load average at end:   {_load()}")
+    print(f"load average at end: {_load()}")
 
 
 if __name__ == "__main__":

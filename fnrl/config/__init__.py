@@ -16,7 +16,9 @@ from fnrl.config.base import check, finite, from_dict, positive, save_json, to_d
 from fnrl.config.cluster import ClusterConfig
 from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, CoordinatorConfig,
                                CostModel, RepackConfig, RoutingConfig)
+from fnrl.config.eval import EVAL_SERVERS, EvalConfig
 from fnrl.config.faults import FaultConfig, Injection, parse_injection
+from fnrl.config.gates import GATE_RULE_NAMES, GatesConfig
 from fnrl.config.relay import MIB, RelayConfig
 from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutConfig, RunConfig,
                              TaskConfig, TrainerConfig, WarmStartConfig)
@@ -24,7 +26,8 @@ from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutCo
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "CORRECTION_NAMES", "KL_ESTIMATOR_NAMES",
     "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
-    "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "FaultConfig",
+    "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "EVAL_SERVERS",
+    "EvalConfig", "FaultConfig", "GATE_RULE_NAMES", "GatesConfig",
     "Injection", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",

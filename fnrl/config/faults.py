@@ -43,9 +43,23 @@ class FaultConfig:
     given phase (default: train for the trainer, generate otherwise)."""
     seed: int = 0
     """Seed of the delay into the phase at which an injected kill lands."""
+    inject_corrupt_publish: int = 0
+    """FAULT INJECTION (tests of the gates, fnrl.policy.gates): the trainer publishes the
+    weights of this version (> 0) with Gaussian noise of `inject_noise` × each tensor's
+    std added, so rollouts sample from wrong weights while the trainer keeps true ones."""
+    inject_noise: float = 1.0
+    inject_bad_logprobs: int = 0
+    """FAULT INJECTION: the controller records wrong behaviour log-probs (each shifted by
+    uniform noise in [-inject_logprob_shift, 0]) in the batch that trains this version
+    (> 0). A learning rate 100x too high needs no flag: it is `--algo.learning-rate`."""
+    inject_logprob_shift: float = 2.0
 
     def __post_init__(self):
         object.__setattr__(self, "inject", tuple(self.inject))   # a JSON list reads back
+        for name in ("inject_corrupt_publish", "inject_bad_logprobs"):
+            check(getattr(self, name) >= 0, "FaultConfig", name, getattr(self, name),
+                  "must be >= 0 (0: off)")
+        positive(self, "inject_noise", "inject_logprob_shift")
         positive(self, "trainer_hang_s", "trainer_hang_factor", "trainer_first_step_s",
                  "rollout_stall_s", "heartbeat_timeout_s")
         check(self.policy in ("role", "job"), "FaultConfig", "policy", self.policy,

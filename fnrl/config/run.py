@@ -8,8 +8,10 @@ from typing import Literal
 from fnrl.config.algo import AlgoConfig
 from fnrl.config.base import check, finite, positive
 from fnrl.config.cluster import ClusterConfig
+from fnrl.config.eval import EvalConfig
 from fnrl.config.coord import CoordinatorConfig
 from fnrl.config.faults import FaultConfig
+from fnrl.config.gates import GatesConfig
 from fnrl.config.relay import RelayConfig
 
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -39,6 +41,18 @@ class RewardConfig:
             value = getattr(self, field_name)
             check(finite(value) and value >= 0, name, field_name, value,
                   "must be a finite number >= 0")
+
+
+# The built-in environments of fnrl.envs (config may not import the registry;
+# tests/envs/test_env_registry.py keeps this equal to its built-in keys). One a user
+# registers (fnrl.envs.base.register_env) is added through `accept_env_name`.
+ENV_NAMES = ("math", "tool_arith")
+_REGISTERED_ENVS: set[str] = set()
+
+
+def accept_env_name(name: str) -> None:
+    """Lets `TaskConfig.env` name an environment registered at run time."""
+    _REGISTERED_ENVS.add(name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,9 +92,16 @@ class TaskConfig:
     """Tokens that also end generation, beside the tokenizer's EOS and the eos ids of the
     model's generation_config.json (e.g. "<|im_end|>" "<|endoftext|>")."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: str = "math"
+    """The environment a trajectory runs in (fnrl.envs, by registered name): "math",
+    single-turn generation graded by `reward`; "tool_arith", multi-digit products with a
+    calculator tool over several turns (not yet driven by the loop: issue 14)."""
 
     def __post_init__(self):
         positive(self, "num_eval")
+        known = ENV_NAMES + tuple(sorted(_REGISTERED_ENVS - set(ENV_NAMES)))
+        check(self.env in known, "TaskConfig", "env", self.env,
+              f"must be a registered environment: {', '.join(known)}")
         check(1 <= self.min_level <= self.max_level <= 3, "TaskConfig", "min_level..max_level",
               (self.min_level, self.max_level),
               "need 1 <= min_level <= max_level <= 3 (1: a+b, 2: a-b, 3: a*d)")
@@ -296,6 +317,12 @@ class RunConfig:
     steps: int = 40
     eval_every: int = 10
     seed: int = 0
+    deterministic: bool = False
+    """Repeatable runs (fnrl.policy.seeding): every vLLM request is seeded from `seed` and
+    its trajectory's uid, and a Consume's groups are batched in the order they were
+    drawn. With the `sync` preset, two runs of one seed on CPU train bit-identical
+    parameters. Off by default: per-request generators make vLLM sample each seeded
+    request apart from the batch."""
     run_dir: str = ""
     resume: bool = True
     trainer_timeout_s: float = 600.0
@@ -312,6 +339,8 @@ class RunConfig:
     relay: RelayConfig = field(default_factory=RelayConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    gates: GatesConfig = field(default_factory=GatesConfig)
 
     def __post_init__(self):
         positive(self, "steps", "eval_every", "trainer_timeout_s")

@@ -33,6 +33,7 @@ class Book:
     time: Counter = field(default_factory=Counter)
     last_eval: dict | None = None
     evaluated_versions: list[int] = field(default_factory=list)
+    tokens_at_version: dict[int, int] = field(default_factory=dict)   # trained_tokens then
 
 
 @dataclass

@@ -9,7 +9,9 @@ a RolloutHandle, and rewarding a group once all its members finished.
   went away); a later Route of the same trajectory waits for that cancel to land.
 - Pull: waits for the rollout's interrupted streams and evaluations, then loads the
   relay's newest weights; the rollout's version changes when it lands.
-- Evaluate: greedy held-out accuracy of the version a rollout serves.
+- Evaluate: the held-out record (greedy accuracy, pass@k, mean@k) of the version a
+  rollout serves (`--eval.server rollout`; the default is a server of its own,
+  fnrl.control.eval_lane).
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
+from fnrl.control.eval_lane import score_heldout
 from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy.filtering import keep_group
+from fnrl.policy.seeding import request_seed
 from fnrl.types import Group, Trajectory
 
 PULL_ATTEMPTS = 4
@@ -174,9 +176,11 @@ class Generation:
         version, reason = rollout.version, "length"
         if budget > 0:
             forced = t.target_len is not None
+            # Seeded by what names the work, not by arrival (fnrl.policy.seeding).
+            seed = request_seed(cfg.seed, t.uid, len(streamed)) if cfg.deterministic else None
             stream = rollout.handle.generate_stream(
                 t.prompt_ids + streamed, max_tokens=budget, temperature=cfg.algo.temperature,
-                top_p=cfg.algo.top_p, top_k=cfg.algo.top_k, seed=None, stop_token_ids=() if forced else self.task.stop_ids,
+                top_p=cfg.algo.top_p, top_k=cfg.algo.top_k, seed=seed, stop_token_ids=() if forced else self.task.stop_ids,
                 ignore_eos=forced, request_id=f"{t.uid}#{t.placements}")
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
@@ -262,32 +266,23 @@ class Generation:
         self.svc.wake()
 
     async def _evaluate(self, rid: int, *, after=None) -> None:
-        """Greedy held-out accuracy of the version rollout `rid` serves (after a pull)."""
+        """The held-out record (fnrl.control.eval_lane.score_heldout) of the version
+        rollout `rid` serves (after a pull)."""
         if after is not None:
             await asyncio.wait([after])
-        rollout, task = self.rollouts[rid], self.task
+        rollout = self.rollouts[rid]
         version, t0 = rollout.version, self.svc.clock.now()
-
-        async def one(problem) -> tuple[int, float]:
-            (c,) = await rollout.handle.generate(
-                task.encode(problem.prompt), n=1, max_tokens=self.cfg.algo.max_new_tokens,
-                temperature=0.0, seed=0, stop_token_ids=list(task.stop_ids))
-            reward = self.reward(c.token_ids, problem.answer)
-            return problem.level, 0.0 if reward is None else reward
-
         try:
-            results = await asyncio.gather(*(one(p) for p in task.eval_set))
+            record = await score_heldout(rollout.handle.generate, self.task, self.cfg, self.reward)
         except ServerError:
             if not await self.lost(rid):
                 raise
             self.book.counts["evals_lost"] += 1   # the rollout failed under it
             return
-        by_level: dict[int, list[float]] = {}
-        for level, r in results:
-            by_level.setdefault(level, []).append(r)
-        record = {"accuracy": float(np.mean([r for _, r in results])),
-                  **{f"accuracy_level{k}": float(np.mean(v)) for k, v in sorted(by_level.items())},
-                  "trained_tokens": self.book.trained_tokens, "wall_s": self.svc.now()}
+        record.update(version=version, trained_tokens=self.book.tokens_at_version.get(version, 0),
+                      lane="rollout", eval_s=self.svc.clock.now() - t0, 
+                      # 0 before the loop's clock starts (the first evaluation)
+                      wall_s=self.svc.now() if self.svc.t0 else 0.0)
         self.writer.write("eval", version, record)
         self.book.last_eval = {"version": version, **record}
         self.book.evaluated_versions.append(version)

@@ -25,7 +25,8 @@ import numpy as np
 from fnrl.serving.client import Completion, ServerError, StreamChunk
 from fnrl.shell.wire import RoleError
 
-__all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "RelayTierHandle",
+__all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "EvalServerHandle",
+           "RelayTierHandle",
            "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
 
 
@@ -128,6 +129,30 @@ class RolloutHandle(Protocol):
     def kill(self, sig: int = signal.SIGKILL) -> None: ...
 
 
+@runtime_checkable
+class EvalServerHandle(Protocol):
+    """A generation server kept for held-out evaluation (fnrl.control.eval_lane): never
+    routed training work, it loads the exact version it is asked to score."""
+
+    name: str
+
+    def exit_code(self) -> int | None: ...
+
+    def exit_reason(self) -> str | None: ...
+
+    async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
+                       temperature: float, seed: int | None = None,
+                       stop_token_ids: Sequence[int] = (), top_p: float = 1.0,
+                       top_k: int = -1) -> list[Completion]: ...
+
+    async def pull_version(self, relay_address: str, version: int, *,
+                           relay_timeout_s: float = 30.0) -> int:
+        """Loads exactly `version` from the relay (waiting until it holds it); the version
+        served. Raises ServerError when the relay no longer holds it."""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None: ...
+
+
 @dataclass(frozen=True)
 class RelayEvent:
     """The relay tier repaired its chain: `relay` was spliced out (or a master elected)."""
@@ -165,9 +190,13 @@ class Roles:
     trainer: TrainerHandle
     rollouts: list[RolloutHandle]
     relays: RelayTierHandle
+    evaluator: EvalServerHandle | None = None
+    """The dedicated evaluation server; None: held-out evaluation runs on idle rollouts
+    (or is off, `eval.server`)."""
 
     def names(self) -> tuple[str, ...]:
-        return ("trainer", *(r.name for r in self.rollouts), *self.relays.names)
+        return ("trainer", *(r.name for r in self.rollouts), *self.relays.names,
+                *((self.evaluator.name,) if self.evaluator is not None else ()))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signals the role called `name` (fault injection)."""
@@ -175,6 +204,8 @@ class Roles:
             self.trainer.kill(sig)
         elif name in self.relays.names:
             self.relays.kill(name, sig)
+        elif self.evaluator is not None and name == self.evaluator.name:
+            self.evaluator.kill(sig)
         else:
             by_name = {r.name: r for r in self.rollouts}
             if name not in by_name:

@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 
 from fnrl.control.handles import RelayEvent, TrainResult
-from fnrl.control.roles import Cluster
+from fnrl.control.roles import EVAL_SERVER, Cluster
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import wait_ready
 from fnrl.shell import procs
@@ -169,6 +169,32 @@ class HttpRollout:
                                           self.start_timeout_s)
         self.client = RolloutClient(role.address, self.session, timeout_s=self.timeout_s)
         return seconds
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.cluster.kill(self.name, sig=sig, wait=False)
+
+
+class HttpEvalServer:
+    """The dedicated evaluation server: a vLLM server like a rollout's, never routed
+    training work (fnrl.control.eval_lane); implements EvalServerHandle."""
+
+    def __init__(self, cluster: Cluster, session: aiohttp.ClientSession, *, timeout_s: float):
+        self.cluster, self.name = cluster, EVAL_SERVER
+        self.client = RolloutClient(cluster.role(self.name).address, session, timeout_s=timeout_s)
+
+    def exit_code(self) -> int | None:
+        return self.cluster.role(self.name).proc.poll()
+
+    def exit_reason(self) -> str | None:
+        return None if self.exit_code() is None else self.cluster.exit_reason(self.name)
+
+    async def generate(self, prompt_ids: Sequence[int], **kw):
+        return await self.client.generate(prompt_ids, **kw)
+
+    async def pull_version(self, relay_address: str, version: int, *,
+                           relay_timeout_s: float = 30.0) -> int:
+        return await self.client.pull(relay_address, version=version,
+                                      relay_timeout_s=relay_timeout_s)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         self.cluster.kill(self.name, sig=sig, wait=False)

@@ -27,6 +27,8 @@ from tqdm import tqdm
 from fnrl.config import RunConfig
 from fnrl.control import journal, recovery, report
 from fnrl.control.book import Book, Services, TaskIO
+from fnrl.control.eval_lane import EvalLane
+from fnrl.control.gating import Gating
 from fnrl.control.generation import Generation
 from fnrl.control.handles import Clock, MonotonicClock, Roles
 from fnrl.control.supervisor import JobRestart, Supervisor
@@ -39,6 +41,7 @@ from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Inter
                         Pull, Route)
 
 TICK_S = 0.1
+NEVER = 1 << 40           # an eval_every no run reaches
 PROGRESS_EVERY_S = 2.0    # attempts.jsonl: how stale a killed controller's record may be
 
 
@@ -63,16 +66,27 @@ class Controller:
         self.plan = schedule.SchedulePlan(
             cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
                                         prompt_groups=cfg.rollout.groups_per_batch),
-            total_steps=cfg.steps, eval_every=cfg.eval_every)
+            total_steps=cfg.steps,
+            # Idle rollouts evaluate only when no evaluation server is given (eval_lane).
+            eval_every=cfg.eval_every if self._evaluates_on_rollouts(cfg, roles) else NEVER)
         self.state: schedule.ScheduleState | None = None
         self.supervisor = Supervisor(cfg.faults, roles, book=self.book, svc=self.svc, run_dir=run_dir)
         self.generation = Generation(cfg, roles.rollouts, roles.relays, table=self.table,
                                      pool=self.pool, journal=self.journal, task=task, book=self.book,
                                      svc=self.svc, progress=self.supervisor, writer=writer, log=self.log)
+        # The correctness gates (fnrl.policy.gates) judge every returned step.
+        self.gating = Gating(cfg, run_dir=run_dir, journal=self.journal, writer=writer,
+                             log=self.log, version=trainer_version)
         self.training = Training(cfg, roles.trainer, table=self.table, consumed=self.consumed,
                                  journal=self.journal, task=task, book=self.book, svc=self.svc,
-                                 watch=self.supervisor, on_step=self._log_step)
+                                 watch=self.supervisor, on_step=self._log_step,
+                                 gating=self.gating)
         self.supervisor.generation, self.supervisor.training = self.generation, self.training
+        self.eval_lane = None
+        if roles.evaluator is not None and cfg.eval.server != "off":
+            self.eval_lane = EvalLane(cfg, roles.evaluator, roles.relays, task=task,
+                                      book=self.book, svc=self.svc, writer=writer,
+                                      reward=self.generation.reward, log=self.log)
         self._last_obs = self._last_step = self._last_progress = 0.0
         self.bar = None
 
@@ -83,10 +97,14 @@ class Controller:
                         dynamic_ncols=True)
         try:
             await self.generation.start()
-            await self.generation.evaluate_now()
+            eval_t0 = self.svc.clock.now()
+            await self.evaluate_now()
+            # Recorded so a job restart's gap can leave the evaluation out: a role restart
+            # never pays it (report.across_attempts).
+            eval_before_s = self.svc.clock.now() - eval_t0
             self.svc.restart_clock()
             self.book.time.clear()
-            self.attempts.write("start", self.svc.t0_epoch)
+            self.attempts.write("start", self.svc.t0_epoch, eval_before_s=eval_before_s)
             self.supervisor.start()
             self.state = schedule.init_schedule(
                 self.plan, [r.version for r in self.generation.rollouts],
@@ -102,9 +120,10 @@ class Controller:
             await self.generation.stop_streams()
             await self.supervisor.settle()
             self.svc.reap()   # a restart that failed for good raises here
-            await self.generation.evaluate_now()
+            await self.evaluate_now()
             summary = self.summary(wall, eval_in_loop)
-            self.attempts.write("end", self.svc.clock.epoch(), **self._progress(wall))
+            # Dated at the loop's end: the final evaluation is not run time (ETTR's wall).
+            self.attempts.write("end", self.svc.t0_epoch + wall, **self._progress(wall))
             return summary
         except JobRestart:
             # The job runner restarts every role; this attempt's down time is kept.
@@ -119,6 +138,18 @@ class Controller:
                 closing.close()
             (self.run_dir / "timeline.json").write_text(json.dumps(self.svc.timeline))
 
+    @staticmethod
+    def _evaluates_on_rollouts(cfg: RunConfig, roles: Roles) -> bool:
+        return cfg.eval.server != "off" and roles.evaluator is None
+
+    async def evaluate_now(self) -> None:
+        """Held-out evaluation of the trainer's newest version, awaited (at the start and
+        the end of an attempt): on the evaluation server, or on rollout 0."""
+        if self.eval_lane is not None:
+            await self.eval_lane.finish(self.book.trainer_version)
+        elif self._evaluates_on_rollouts(self.cfg, self.roles):
+            await self.generation.evaluate_now()
+
     def tick(self) -> bool:
         """One observe → decide → act; True once the run is done. Roles' health goes
         first: a failed rollout's work is back in the TS before the snapshot the
@@ -128,6 +159,8 @@ class Controller:
         snap = self.observe()
         if schedule.finished(self.state, self.plan, trainer_idle=not self.book.trainer_busy):
             return True
+        if self.gating.stop_report is not None and not self.book.trainer_busy:
+            return True   # a gate stopped the run: wound down like a finished one
         for cmd in self.decide(snap):
             self.act(cmd)
         return False
@@ -263,6 +296,8 @@ class Controller:
                                     since_last_step_s=now - self._last_step)
         self._last_step = now
         self.writer.write("train", b.trainer_version, record)
+        if self.eval_lane is not None:   # published before the step returned
+            self.eval_lane.version_trained(b.trainer_version)
         self.attempts.write("progress", self.svc.clock.epoch(), **self._progress(now))
         acc = b.last_eval["accuracy"] if b.last_eval else float("nan")
         self.bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", acc=f"{100 * acc:.0f}%",
@@ -289,5 +324,9 @@ class Controller:
                 "trained_tokens": b.trained_tokens, "generated_tokens": b.generated_tokens,
                 "staleness_checked_tokens": b.checked_tokens,
                 "staleness_checked_max": b.max_staleness, "eta": self.cfg.coord.eta,
+                "eval_server": ("off" if self.cfg.eval.server == "off" else
+                                "dedicated" if self.eval_lane is not None else "rollout"),
+                "evaluated_versions": list(b.evaluated_versions),
+                "eval_lane_s": b.time["eval_lane_s"], **self.gating.summary(),
                 **{k: b.counts[k] for k in report.COUNT_KEYS},
                 **report.utilization(b, self.generation.rollouts, wall)}

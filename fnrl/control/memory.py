@@ -13,8 +13,10 @@ Pure arithmetic from the model's config and the run's (no files, no processes):
            weights in the servers' dtype (`rollout.dtype`);
   servers  the weights in `rollout.dtype`, the KV cache (sized as fnrl.serving.server
            reserves it: `kv_reservation_bytes`, or node 0's total × kv_memory_fraction)
-           and the process (`SERVER_PROCESS_BYTES`); on GPU builds the KV is on the device
-           (`kv_in_host=False`);
+           and the process (`SERVER_PROCESS_BYTES`); on CPU `SERVER_WEIGHT_COPIES` of the
+           weights; on GPU builds the weights and KV are on the device
+           (`kv_in_host=False`); the dedicated evaluation server (`eval.server`) likewise,
+           its KV sized for `eval.max_num_seqs`;
   the controller process.
 """
 
@@ -25,8 +27,8 @@ import math
 
 from fnrl.config import RunConfig
 from fnrl.models.decoder import DecoderConfig
-from fnrl.serving.server import (DTYPE_BYTES, SERVER_PROCESS_BYTES, kv_bytes_per_token,
-                                 kv_reservation_bytes)
+from fnrl.serving.server import (DTYPE_BYTES, SERVER_PROCESS_BYTES, SERVER_WEIGHT_COPIES,
+                                 kv_bytes_per_token, kv_reservation_bytes)
 from fnrl.trainer.memory import param_count, trainer_memory
 
 GIB = 2**30
@@ -60,8 +62,8 @@ class MemoryPlan:
             rows.append((r.role, "peak", r.peak_bytes))
             rows.extend(("", what, b) for what, b in r.items)
         width = max(len(what) for _, what, _ in rows)
-        lines = ["a trainer's peak is what stays plus the largest of its phases "
-                 "(backward, update, after step), not the sum of its lines",
+        lines = ["a trainer's peak is what stays, plus the larger of backward and update, "
+                 "plus after step: not the sum of its lines",
                  f"{'role':<10} {'what':<{width}} {'GiB':>8}"]
         lines += [f"{role:<10} {what:<{width}} {b / GIB:>8.2f}" for role, what, b in rows]
         lines.append(f"{'total':<10} {'':<{width}} {self.total_bytes / GIB:>8.2f}")
@@ -101,29 +103,36 @@ def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
         roles.append(RoleMemory(role=f"relay{r}", items=tuple(items),
                                 peak_bytes=sum(b for _, b in items)))
     for s in range(cfg.rollout.num_servers):
-        roles.append(_server(model, cfg, context_len, kv_in_host, node_total_bytes, s))
+        roles.append(_server(model, cfg, context_len, kv_in_host, node_total_bytes, f"server{s}",
+                             max_num_seqs=cfg.rollout.max_num_seqs,
+                             kv_fraction=cfg.rollout.kv_memory_fraction))
+    if cfg.eval.server == "dedicated":   # sized for its own max_num_seqs, never a fraction
+        roles.append(_server(model, cfg, context_len, kv_in_host, node_total_bytes, "eval",
+                             max_num_seqs=cfg.eval.max_num_seqs, kv_fraction=0.0))
     roles.append(RoleMemory(role="controller", items=(("process", CONTROLLER_BYTES),),
                             peak_bytes=CONTROLLER_BYTES))
     return MemoryPlan(roles=tuple(roles))
 
 
-def _server(model, cfg, context_len, kv_in_host, node_total_bytes, index) -> RoleMemory:
+def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_num_seqs,
+            kv_fraction) -> RoleMemory:
     ro = cfg.rollout
     weights = param_count(model) * DTYPE_BYTES[ro.dtype]
-    if ro.kv_memory_fraction and kv_in_host:
+    if kv_fraction and kv_in_host:
         if node_total_bytes is None:
             raise ValueError("rollout.kv_memory_fraction is set: the plan needs node 0's "
                              "MemTotal (node_total_bytes)")
         # vLLM's start check: the fraction of node 0's total covers the whole process.
-        whole = math.ceil(node_total_bytes * ro.kv_memory_fraction)
-        items = ((f"kv_memory_fraction={ro.kv_memory_fraction:g} of node 0 (all of it)", whole),)
+        whole = math.ceil(node_total_bytes * kv_fraction)
+        items = ((f"kv_memory_fraction={kv_fraction:g} of node 0 (all of it)", whole),)
     else:
         kv = kv_reservation_bytes(bytes_per_token=kv_bytes_per_token(model.to_hf(), ro.dtype),
-                                  max_num_seqs=ro.max_num_seqs, max_model_len=context_len)
-        items = ((f"weights ({ro.dtype})", weights),
-                 (f"KV {ro.max_num_seqs} seqs x {context_len} tokens", kv if kv_in_host else 0),
+                                  max_num_seqs=max_num_seqs, max_model_len=context_len)
+        copies = SERVER_WEIGHT_COPIES if kv_in_host else 1
+        items = ((f"weights ({ro.dtype}) x {copies}", copies * weights),
+                 (f"KV {max_num_seqs} seqs x {context_len} tokens", kv if kv_in_host else 0),
                  ("process", SERVER_PROCESS_BYTES))
-    return RoleMemory(role=f"server{index}", items=items, peak_bytes=sum(b for _, b in items))
+    return RoleMemory(role=name, items=items, peak_bytes=sum(b for _, b in items))
 
 
 def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
@@ -139,4 +148,5 @@ def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
         f"is available: {each}. To fit: --trainer.logprob-chunk (e.g. 1024), "
         "--trainer.remat, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
         "--model.max-seq-len, --rollout.dtype bfloat16, --rollout.max-num-seqs, "
-        "--relay.keep-versions 1, fewer servers or relays.")
+        "--relay.keep-versions 1, fewer servers or relays, --eval.server rollout (evaluate "
+        "on an idle rollout instead of a server of its own).")

@@ -31,11 +31,18 @@ class ConsumedLog:
 
     def log(self, name: str, version: int, trajectories, **extra) -> None:
         # The exact prompt ids each trajectory was generated from (chat template, system
-        # prompt and all), so what a group trained on can be inspected and re-tokenised.
+        # prompt and all), so what a group trained on can be inspected and re-tokenised,
+        # and every response token with its behaviour log-prob and the reward: what
+        # `fnrl.experiments.replay` rebuilds the run's batches from (floats round-trip
+        # through JSON exactly). A group logged by a recovery has no rewards.
         self._f.write(json.dumps({
             "group": name, "consumed_version": version, **extra,
             "trajectories": [{"uid": tr.uid, "prompt_ids": list(tr.prompt_ids),
-                              "segments": [[s.version, len(s.token_ids)] for s in tr.segments]}
+                              "segments": [[s.version, len(s.token_ids)] for s in tr.segments],
+                              "token_ids": [list(s.token_ids) for s in tr.segments],
+                              "logprobs": [list(s.logprobs) for s in tr.segments],
+                              "finish_reason": tr.finish_reason,
+                              **({"reward": tr.reward} if hasattr(tr, "reward") else {})}
                              for tr in trajectories]}) + "\n")
         for tr in trajectories:
             self.pool.drop(tr.uid)

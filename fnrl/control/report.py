@@ -26,7 +26,7 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
               "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
               "dynamic_sampling_dropped", "unfinished_at_end", "skipped_updates",
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
-              "pulls_skipped_down", "evals_lost", "recovered_groups",
+              "pulls_skipped_down", "evals_lost", "evals_skipped", "recovered_groups",
               "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
               "pull_retries")
 
@@ -107,20 +107,26 @@ class Attempts:
 def across_attempts(run_dir: Path) -> dict:
     """ETTR and wall time over every attempt of the run: each attempt's own role down
     time, plus every role down from the end of one attempt (its last record) until the
-    next one's loop started (roles restarting, or no controller at all)."""
+    next one's loop started (roles restarting, or no controller at all).
+
+    The held-out evaluation an attempt runs before its loop starts is left out of its gap
+    and of the wall time: a role restart never pays it, so charging it to a job restart
+    alone would compare restart kinds unequally (benchmarks/ettr.py)."""
     records = read_jsonl(run_dir / "attempts.jsonl")
     starts = {r["attempt"]: r["epoch"] for r in records if r["event"] == "start"}
+    evals = {r["attempt"]: r.get("eval_before_s", 0.0) for r in records if r["event"] == "start"}
     last = {r["attempt"]: r for r in records if r["event"] in ("progress", "end")}
     order = sorted(a for a in starts if a in last)
     if not order:
         return {}
     units = last[order[-1]]["ettr_units"]
-    gaps = [starts[b] - last[a]["epoch"] for a, b in zip(order, order[1:])]
-    wall = last[order[-1]]["epoch"] - starts[order[0]]
+    gaps = [max(starts[b] - last[a]["epoch"] - evals[b], 0.0) for a, b in zip(order, order[1:])]
+    wall = last[order[-1]]["epoch"] - starts[order[0]] - sum(evals[b] for b in order[1:])
     down = sum(last[a]["role_down_s"] for a in order) + units * sum(gaps)
     faults = read_jsonl(run_dir / "faults.jsonl")
     return {"ettr": 1.0 - down / max(units * wall, 1e-9), "attempts": len(order),
             "restart_gaps_s": gaps, "wall_s_all_attempts": wall, "role_down_s_all": down,
+            "eval_before_start_s": [evals[a] for a in order],
             "failures": sum(r.get("event") == "failure" for r in faults),
             "killed_attempts": sum(last[a]["event"] != "end" for a in order),
             "consumed_groups_all": len(read_jsonl(run_dir / "trajectories.jsonl")),

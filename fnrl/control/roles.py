@@ -63,6 +63,7 @@ class RoleProcess:
 
 
 SUPERVISED = ("trainer", "rollout")   # restarted by the supervisor, not fatal here
+EVAL_SERVER = "eval"   # the evaluation server: its lane stops when it dies, the job goes on
 SERVER_GRACE_S = 3.0
 """SIGTERM to SIGKILL for a vLLM server (see `Cluster.stop`)."""
 SAMPLE_S = 1.0
@@ -250,6 +251,12 @@ class Cluster:
         role = RoleProcess(f"rollout{rid}", proc, log_path, spec.base_url)
         return self._add(role)
 
+    def start_eval_server(self, spec: ServerSpec) -> RoleProcess:
+        """The dedicated evaluation server (fnrl.control.eval_lane), named "eval"."""
+        log_path = self.run_dir / "logs" / f"{EVAL_SERVER}.log"
+        return self._add(RoleProcess(EVAL_SERVER, launch_server(spec, log_path), log_path,
+                                     spec.base_url))
+
     def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:
         try:
             wait_relay_ready(relay.address, relay.proc, timeout_s)
@@ -258,7 +265,7 @@ class Cluster:
 
     def wait_servers_ready(self, timeout_s: float) -> None:
         for role in self.roles:
-            if role.name.startswith("rollout"):
+            if role.name.startswith("rollout") or role.name == EVAL_SERVER:
                 try:
                     wait_ready(role.address, role.proc, timeout_s)
                 except RuntimeError as err:
@@ -268,7 +275,7 @@ class Cluster:
         tier = self.relay_tier
         for role in self.roles:
             code = role.proc.poll()
-            if role.name.startswith(SUPERVISED):
+            if role.name.startswith(SUPERVISED) or role.name == EVAL_SERVER:
                 continue
             if code is not None and tier is not None and role.name in tier.members and any(
                     tier.members[n].proc is None or tier.members[n].proc.poll() is None
@@ -291,7 +298,8 @@ class Cluster:
         # vLLM stops its engine at once on SIGTERM, then its HTTP server waits for open
         # connections (a stop from a signal handler finds the job's streams open).
         procs.stop_all([r.proc for r in self.roles],
-                       [min(grace_s, SERVER_GRACE_S) if r.name.startswith("rollout") else grace_s
+                       [min(grace_s, SERVER_GRACE_S)
+                        if r.name.startswith("rollout") or r.name == EVAL_SERVER else grace_s
                         for r in self.roles])
         self.roles.clear()
         # A relay SIGKILLed after the grace period (or stopped before the tier existed)

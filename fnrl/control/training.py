@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Protocol
 
+import numpy as np
+
 from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.handles import RoleError, TrainerHandle, TrainResult
 from fnrl.control.recovery import ConsumedLog
 from fnrl.control.trajectories import TrajectoryTable
+from fnrl.policy.seeding import canonical_order
 from fnrl.trainer.batching import make_batch
 from fnrl.types import Consume, Group
 
@@ -33,6 +36,15 @@ class TrainWatch(Protocol):
     def train_returned(self) -> None: ...
 
     def train_raised(self, err: Exception) -> None: ...
+
+
+def corrupt_logprobs(arrays: dict, shift: float, *, seed: int) -> dict:
+    """FAULT INJECTION (`--faults.inject-bad-logprobs`): the behaviour log-probs recorded
+    for a batch, each lowered by uniform noise in [0, shift] on response tokens."""
+    rng = np.random.default_rng(seed)
+    logp = arrays["behaviour_logp_BxT"]
+    noise = rng.uniform(0.0, shift, logp.shape).astype(logp.dtype) * (arrays["mask_BxT"] > 0)
+    return {**arrays, "behaviour_logp_BxT": logp - noise}
 
 
 def check_bound(groups: tuple[Group, ...], version: int, eta: int) -> tuple[int, int]:
@@ -55,8 +67,9 @@ def check_bound(groups: tuple[Group, ...], version: int, eta: int) -> tuple[int,
 class Training:
     def __init__(self, cfg: RunConfig, trainer: TrainerHandle, *, table: TrajectoryTable,
                  consumed: ConsumedLog, journal, task: TaskIO, book: Book, svc: Services,
-                 watch: TrainWatch, on_step: Callable[[dict, dict], None]):
+                 watch: TrainWatch, on_step: Callable[[dict, dict], None], gating=None):
         self.cfg, self.trainer, self.table, self.consumed = cfg, trainer, table, consumed
+        self.gating = gating   # fnrl.control.gating.Gating, or None: no gates
         self.journal, self.task, self.book, self.svc = journal, task, book, svc
         self.watch, self.on_step = watch, on_step
         self.durations: list[float] = []
@@ -65,10 +78,11 @@ class Training:
 
     def consume(self, cmd: Consume) -> None:
         """Applies a Consume to the bookkeeping now; the step runs as a task."""
-        names = [self.table.groups[g].name for g in cmd.gids]
+        gids = canonical_order(cmd.gids) if self.cfg.deterministic else cmd.gids
+        names = [self.table.groups[g].name for g in gids]
         self.journal.write("consume", version=cmd.version, groups=names)
         self.book.trainer_busy = True
-        self.svc.spawn(self._train(cmd, self.table.consume(cmd.gids)))
+        self.svc.spawn(self._train(cmd, self.table.consume(gids)))
 
     def restarted(self, version: int) -> None:
         """The supervisor replaced the trainer; it restored `version`."""
@@ -90,6 +104,14 @@ class Training:
         arrays, stats = make_batch(groups, b.trainer_version, algo=self.cfg.algo,
                                    trainer=self.cfg.trainer, seq_len=self.task.seq_len,
                                    pad_id=self.task.pad_id)
+        if cmd.version + 1 == self.cfg.faults.inject_bad_logprobs:
+            arrays = corrupt_logprobs(arrays, self.cfg.faults.inject_logprob_shift,
+                                      seed=self.cfg.seed)
+        rollback, controls = -1, {}
+        if self.gating is not None:
+            controls = self.gating.controls()
+            arrays = {**arrays, **controls}
+            rollback = self.gating.sent()
         result, t0 = await self._call(cmd.version, arrays)
         t1 = self.svc.clock.now()
         self.durations.append(t1 - t0)
@@ -98,19 +120,27 @@ class Training:
         self.svc.event("train", t0=t0, version=cmd.version)
         for g in groups:
             self.consumed.log(g.problem.uid, cmd.version, g.trajectories)
-        self.journal.write("trained", version=cmd.version)
+        # The gates' controls went with the batch: a replay (fnrl.experiments.replay)
+        # sends the same ones.
+        self.journal.write("trained", version=cmd.version,
+                           **({"controls": {k: v.item() for k, v in controls.items()}}
+                              if controls else {}))
         skipped = result.version == cmd.version
         b.skipped_steps += skipped
         b.counts["skipped_updates"] += skipped
         b.trainer_version = result.version
         b.steps_done += 1
         b.trained_tokens += stats["tokens"]
+        b.tokens_at_version[b.trainer_version] = b.trained_tokens   # for eval records
         b.checked_tokens += checked
         b.max_staleness = max(b.max_staleness, worst)
         b.counts["consumed_groups"] += len(groups)
         b.trainer_busy = False
         self.on_step(dict(result.metrics), {**stats, "eta": eta, "staleness_checked_tokens": checked,
                                             "staleness_checked_max": worst})
+        if self.gating is not None:
+            self.gating.observe(dict(result.metrics), stats, version=cmd.version,
+                                new_version=result.version, rollback_sent=rollback)
         self.svc.wake()
 
     async def _call(self, version: int, arrays) -> tuple[TrainResult, float]:

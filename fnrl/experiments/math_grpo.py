@@ -4,6 +4,8 @@
     python -m fnrl.experiments.math_grpo --preset sync --steps 20
     python -m fnrl.experiments.math_grpo --preset staleflow --coord.eta 2
     python -m fnrl.experiments.math_grpo --coord.cost-file auto   # after fnrl.experiments.profile_cost
+    python -m fnrl.experiments.math_grpo --config runs/math_grpo-.../config.json  # re-run
+    python -m fnrl.experiments.math_grpo --config ablation.yaml --steps 10   # YAML + flags
     python -m fnrl.experiments.math_grpo --help
 
 `--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
@@ -36,9 +38,10 @@ import tyro
 
 from fnrl.config import RunConfig, save_json
 from fnrl.config.algo import sampling_defaults
+from fnrl.config.files import overlay, read_config_file
 from fnrl.control.book import TaskIO
 from fnrl.control.handles import Roles
-from fnrl.control.local import HttpRollout, LocalRelays, LocalTrainer
+from fnrl.control.local import HttpEvalServer, HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
 from fnrl.control.memory import check_plan, plan_memory
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
@@ -125,7 +128,10 @@ async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO
         rollouts = [HttpRollout(cluster, rid, session, timeout_s=cfg.rollout.request_timeout_s,
                                 start_timeout_s=cfg.rollout.start_timeout_s)
                     for rid in range(cfg.rollout.num_servers)]
-        roles = Roles(trainer=trainer, rollouts=rollouts, relays=LocalRelays(cluster))
+        evaluator = (HttpEvalServer(cluster, session, timeout_s=cfg.rollout.request_timeout_s)
+                     if cfg.eval.server == "dedicated" else None)
+        roles = Roles(trainer=trainer, rollouts=rollouts, relays=LocalRelays(cluster),
+                      evaluator=evaluator)
         writer = MetricsWriter(run_dir)
         try:
             controller = Controller(cfg, roles, task, run_dir=run_dir, writer=writer,
@@ -198,6 +204,9 @@ def run(cfg: RunConfig) -> dict:
     `faults.max_job_restarts` times. The summary covers every attempt of the run
     (fnrl.control.report.across_attempts), a controller killed and re-run included."""
     check_injections(tuple(parse_injection(s) for s in cfg.faults.inject), role_names(cfg))
+    if cfg.task.env != "math":   # multi-turn environments are not wired into the loop yet
+        raise ValueError(f"task.env={cfg.task.env!r}: the loop runs single-turn 'math' only "
+                         "for now (multi-turn rollouts: issue 14)")
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
@@ -244,6 +253,10 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
                  for rid in range(cfg.rollout.num_servers)]
         for rid, spec in enumerate(specs):
             cluster.start_server(rid, spec)
+        if cfg.eval.server == "dedicated":   # never routed training work (eval_lane)
+            cluster.start_eval_server(dataclasses.replace(
+                specs[0], port=free_port(), max_num_seqs=cfg.eval.max_num_seqs,
+                kv_memory_fraction=0.0, seed=cfg.seed))
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(cfg.relay)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
@@ -253,24 +266,65 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
         restore_signals()
 
 
-def _preset_name(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--preset="):
-            return arg.split("=", 1)[1]
-    return DEFAULT_PRESET
+def _flag_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """argv without `flag VALUE` / `flag=VALUE` (the last one given wins), and VALUE."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == flag and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(flag + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, value
+
+
+def file_config(path: str, preset_flag: str | None) -> tuple[RunConfig, dict]:
+    """The config `--config FILE` names, and the file's nested mapping.
+
+    The file's `preset` (default fnrl; "" keeps the file's own coordinator) starts the
+    config, then every key of the file overrides it; a `--preset` flag then sets the
+    coordinator over the file's, as any preset does. A run directory's config.json (a
+    run_info.json beside it) holds that run's `run_dir`: a re-run gets a new directory
+    unless `--run-dir` says otherwise, so it never resumes the run it reproduces."""
+    data = read_config_file(path)
+    if (Path(path).parent / "run_info.json").exists():
+        data.pop("run_dir", None)
+    cfg = config_from_mapping(data, where=f"config file {path!r}")
+    return (apply_preset(preset_flag, cfg) if preset_flag else cfg), data
+
+
+def config_from_mapping(data: dict, *, where: str) -> RunConfig:
+    """The preset `data` names (default fnrl; "" for none), with every field `data`
+    names laid over it (fnrl.config.files.overlay); errors name `where`."""
+    preset = data.get("preset", DEFAULT_PRESET)
+    try:
+        start = apply_preset(preset) if preset else RunConfig()
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return overlay(start, data, where=where)
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
-    """The preset's config (`--preset`, default fnrl), then the sampling values of the
-    model's generation_config.json (temperature, top_p, top_k), then every flag: a flag
-    wins over the model's file, the file over fnrl's defaults."""
+    """The preset's config (`--preset`, default fnrl), or the file `--config FILE` names
+    (a run's config.json or YAML; fnrl.config.files), then the sampling values of the
+    model's generation_config.json (temperature, top_p, top_k) for those neither the
+    file nor a flag sets, then every flag: a flag wins over the file, the file over
+    the model's generation_config.json, that over fnrl's defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    default = apply_preset(_preset_name(argv))
+    argv, config_path = _flag_value(argv, "--config")
+    _, preset_flag = _flag_value(argv, "--preset")
+    file_data: dict = {}
+    if config_path is not None:
+        default, file_data = file_config(config_path, preset_flag)
+    else:
+        default = apply_preset(preset_flag or DEFAULT_PRESET)
     cfg = tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
     generation = read_generation_config(cfg.model.model_dir) if cfg.model.model_dir else None
-    model_sampling = sampling_defaults(generation or {})
+    model_sampling = {k: v for k, v in sampling_defaults(generation or {}).items()
+                      if k not in file_data.get("algo", {})}
     if not model_sampling:
         return cfg
     # Parsed again over defaults holding the model's values, so only flags override them.
@@ -296,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # before any role started
         print("fnrl: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    if summary.get("gate_stopped"):   # fnrl.policy.gates: a clean stop, with a report
+        print(f"fnrl: stopped by the correctness gate {summary['gate_stopped']}; see "
+              f"{Path(summary['run_dir']) / 'gates_stop.json'}", file=sys.stderr)
+        return 3
     evals = [json.loads(l) for l in open(Path(summary["run_dir"]) / "metrics.jsonl")
              if '"kind": "eval"' in l]
     if evals:

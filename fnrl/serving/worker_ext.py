@@ -42,19 +42,31 @@ def torch_views(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, torch.T
 
 
 def pull(relay: RelayClient, *, served: int, reload: Callable[[Mapping[str, np.ndarray]], None],
-         timeout_s: float, min_version: int = -1) -> VersionManifest | None:
+         timeout_s: float, min_version: int = -1, version: int = -1) -> VersionManifest | None:
     """Hand the relay's latest version to `reload` if it is newer than `served`; returns
     its manifest, or None when there was nothing newer.
 
     `min_version`: first wait (up to `timeout_s`) until the relay holds that version;
     the relay's error propagates if it does not, and nothing is loaded. A version the
     relay retires between `latest` and `open` is asked for again, `_OPEN_ATTEMPTS` times.
+    `version` >= 0: load exactly that version (older or newer than `served`; None if it
+    is served already), waiting for it like `min_version`; RuntimeError when the relay
+    no longer holds it.
     """
-    if min_version > served:
+    if version >= 0:
+        if version == served:
+            return None
+        relay.wait_version(version, timeout_s=timeout_s)
+    elif min_version > served:
         relay.wait_version(min_version, timeout_s=timeout_s)
     for _ in range(_OPEN_ATTEMPTS):
-        manifest = relay.latest()
-        if manifest is None or manifest.version <= served:
+        if version >= 0:   # pinned: an evaluation of this version, never a newer one
+            manifest = relay.latest(version=version)
+            if manifest is None:
+                raise RuntimeError(f"relay {relay.address} no longer holds version {version}")
+        else:
+            manifest = relay.latest()
+        if manifest is None or (version < 0 and manifest.version <= served):
             return None
         try:
             arrays = open_version(manifest)
@@ -73,14 +85,16 @@ def pull(relay: RelayClient, *, served: int, reload: Callable[[Mapping[str, np.n
 class RelayWeightLoader:
     """Methods added to every vLLM worker; state lives on the worker object."""
 
-    def fnrl_pull(self, relay_address: str, timeout_s: float = 30.0, min_version: int = -1) -> int:
+    def fnrl_pull(self, relay_address: str, timeout_s: float = 30.0, min_version: int = -1,
+                  version: int = -1) -> int:
         """Load the relay's latest version in place; returns the version now served.
 
         `min_version`: first wait (up to `timeout_s`) until the relay holds that version.
         A relay down the chain receives a version a little after the master; the
         coordinator plans with the trainer's newest version, so a pull must not load an
         older one it happens to see first. A no-op when the relay has nothing newer than
-        what this worker serves.
+        what this worker serves. `version` >= 0 loads exactly that version (the
+        evaluation server, fnrl.control.eval_lane).
         """
         timeout_s = float(timeout_s)  # collective_rpc over HTTP passes strings
 
@@ -91,7 +105,8 @@ class RelayWeightLoader:
 
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:
             manifest = pull(relay, served=self.fnrl_version(), reload=reload,
-                            timeout_s=timeout_s, min_version=int(min_version))
+                            timeout_s=timeout_s, min_version=int(min_version),
+                            version=int(version))
         if manifest is None:
             return self.fnrl_version()
         # Only after a load that returned: a failed one leaves the old version served.

@@ -53,6 +53,18 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The finished checkpoints' steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def delete(self, step: int) -> None:
+        """Removes checkpoint `step` (a rollback replaces a bad version's with a good one)."""
+        self._manager.delete(step)
+
+    def all_steps(self) -> list[int]:
+        """Every finished checkpoint's step (version), oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: Any, extra: dict | None = None) -> None:
         """Starts an async save; returns once device buffers are copied (not written)."""
         self._manager.save(step, args=ocp.args.Composite(

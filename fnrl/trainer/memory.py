@@ -14,7 +14,9 @@ step lays it out (`fnrl.trainer.peak.compiled_memory` prints that plan):
   update     gradients and the AdamW temporaries;
   save       after a step: the Orbax copy of the state when a checkpoint is due and the
              weights converted for the relay (serving dtype).
-The phases follow each other: the peak is resident + the largest phase.
+The backward pass and the update follow each other: the step's peak is resident + the
+larger. The save comes on top of that peak, not instead of it: its host copies do not
+reuse what the step freed (the allocator keeps the step's buffers), as measured below.
 
 Activations per token and layer, without remat: the norms' inputs and outputs and the
 residual (4 E), q/k/v before and after RoPE (RoPE in float32), the attention output
@@ -31,9 +33,16 @@ logits and their cotangent, for every token at once or for `logprob_chunk` token
 Checked on the Qwen2.5-0.5B-shaped step at 8 × 1,024 tokens with chunked log-probs and
 remat (fnrl.trainer.peak): XLA's buffer plan is 13.8 GB for float32 and bfloat16
 compute alike (its temporaries, 7.9 GB, are the update phase's four parameter-sized
-arrays); the process's measured peak (compile included) 16.6 GB for both, this plan
-18.1 and 18.0 GB. Without remat, XLA's plan for 2 and 4 layers plus `PROCESS_BYTES`
-is 6 to 8 % below this one.
+arrays); the process's measured peak (compile included) 16.6 GB for both. At the
+real run's shape (4 x 1,152 tokens, bfloat16 parameters and compute, log-prob chunks of
+512): XLA's plan 6.92 GB, the process's peak over two steps 9.71 GB, this plan's step
+9.97 GB. The trainer role of that run (benchmarks/real_model.py: step, Orbax save every
+version, weights converted and handed to the relay) peaked at 12.89 GiB RSS, 0.92 GiB of
+it the relay's inbox slot mapped in (shared memory the relay's plan holds): step peak +
+save, where a plan of step peak or save alone would say 9.3 GiB (this plan: 13.15).
+With 12 layers the role peaked at 7.70 GiB RSS, 6.96 private (this plan: 9.06).
+Without remat, XLA's plan for 2 and 4 layers plus `PROCESS_BYTES` is 6 to 8 % below
+this one.
 """
 
 from __future__ import annotations
@@ -50,13 +59,14 @@ from fnrl.trainer.logprobs import positions_per_chunk
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROCESS_BYTES = 2**30
-"""Python, JAX and XLA's CPU runtime beside the arrays, at least."""
-PROCESS_FRACTION = 0.2
-"""...or this fraction of the step's arrays, when larger: what compiling the step leaves
-on the heap grows with it. The measured peak RSS of a step is XLA's buffer plan + 0.82 to
-0.96 GB for 2 layers at 8 × 256 tokens (a 4.65 GB plan), + 2.73 GB for 24 layers at
-8 × 1,024 (a 13.83 GB plan; fnrl.trainer.peak, Qwen2.5-0.5B-shaped, float32, chunked
-log-probs and remat, the first step compiling: compiling it alone peaks at 3.5 GB)."""
+"""Python, JAX and XLA's CPU runtime beside the arrays..."""
+PROCESS_BYTES_PER_PARAM = 4
+"""...plus this much per parameter: what compiling the step leaves on the heap grows
+with the model (compiling the Qwen2.5-0.5B-shaped step alone peaks at 3.45 GB RSS). A
+fit, not a derivation: over the plan's arrays, a step's measured peak RSS
+(fnrl.trainer.peak, first step compiling) needed 0.6 GB for 2 layers at 8 × 256 tokens
+float32 (0.17 B parameters), 1.5 GB for 24 layers at 8 × 1,024 float32 and 2.6 GB at
+4 × 1,152 bfloat16 (0.49 B): 1 GiB + 4 bytes a parameter covers all three."""
 LOGITS_COPIES = 2
 """Float32 vocabulary-wide arrays per token alive at once in the backward pass (the
 logits and their cotangent; XLA fuses the softmax into them): fitted to XLA's buffer
@@ -95,8 +105,8 @@ def _sum(items: Items) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerMemory:
     """The trainer's figures in bytes, by phase: what stays, and the transients of the
-    backward pass, of the optimizer update and of the save after a step. Phases follow
-    each other, so the peak is resident + the largest phase."""
+    backward pass, of the optimizer update and of the save after a step. The step's peak
+    is resident + the larger of backward and update; the save adds to it."""
 
     resident: Items
     backward: Items
@@ -110,7 +120,8 @@ class TrainerMemory:
 
     @property
     def peak_bytes(self) -> int:
-        return _sum(self.resident) + max(_sum(self.backward), _sum(self.update), _sum(self.save))
+        """The role's peak: the step's, and the save's host copies on top of it."""
+        return self.step_peak_bytes + _sum(self.save)
 
     @property
     def items(self) -> Items:
@@ -181,7 +192,6 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
                      LOGITS_COPIES * logit_tokens * V * 4))
     update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]
     save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
-    arrays = _sum(resident) + max(_sum(backward), _sum(update))
-    resident.insert(2, ("process", max(PROCESS_BYTES, int(PROCESS_FRACTION * arrays))))
+    resident.insert(2, ("process", PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n))
     return TrainerMemory(resident=tuple(resident), backward=tuple(backward),
                          update=tuple(update), save=save)

@@ -37,6 +37,7 @@ from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for
 from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
 from fnrl.trainer.checkpoint import BatchLog, Checkpointer
+from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.step import (compile_train_step, init_sharded_state, make_optimizer,
                                place_params, state_shardings)
 from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
@@ -106,11 +107,20 @@ class Trainer:
             for version in self.batches.versions():
                 if version != self.version:
                     continue   # older than the checkpoint (not yet pruned), or after a skip
-                self.state, _ = self._step(self.state, self.batches.read(version),
-                                           self.ref_params)
+                # The same learning-rate scale and bounds as the first time (a rollback
+                # sent with the batch is not redone: its result is the checkpoint).
+                batch, controls, _ = split_controls(self.batches.read(version))
+                self.state, _ = self._step(self.state, batch, self.ref_params, controls)
                 self.replayed += 1
         if self.version > 0:
             self.resumed_from = self.version
+
+    def apply(self, batch: dict[str, np.ndarray]) -> dict:
+        """One jitted step on a batch and the controls it carries, and nothing else
+        (no log, checkpoint or publish): how fnrl.experiments.replay re-trains a run."""
+        arrays, controls, _ = split_controls(batch)
+        self.state, metrics = self._step(self.state, arrays, self.ref_params, controls)
+        return metrics
 
     def warm_up(self) -> int:
         """Compiles (or loads from the compilation cache) the step for every batch shape
@@ -122,8 +132,9 @@ class Trainer:
             key = json.dumps(spec)
             if key in self._warmed:
                 continue
-            batch = {k: np.zeros(shape, dtype) for k, (shape, dtype) in spec.items()}
-            jax.block_until_ready(self._step(self.state, batch, self.ref_params))
+            batch, controls, _ = split_controls(
+                {k: np.zeros(shape, dtype) for k, (shape, dtype) in spec.items()})
+            jax.block_until_ready(self._step(self.state, batch, self.ref_params, controls))
             self._warmed.add(key)
         return len(self._warmed)
 
@@ -138,6 +149,27 @@ class Trainer:
         specs = json.loads(path.read_text()) if path.exists() else []
         if spec not in specs:
             write_atomic(path, json.dumps(specs + [spec]))
+
+    def rollback(self, to_version: int) -> int:
+        """The correctness gates' rollback (fnrl.policy.gates): the newest checkpoint at or
+        before `to_version` becomes the state, under the current version number (versions
+        only go forward: the next step publishes its result as usual), and is saved as
+        this version's checkpoint, so a restart resumes from it. Returns the version
+        restored, or -1 when no such checkpoint is left (nothing changes)."""
+        self.checkpoints.wait()
+        steps = self.checkpoints.all_steps()
+        source = max((s for s in steps if s <= to_version), default=NO_ROLLBACK)
+        version = self.version
+        if source == NO_ROLLBACK or source == version:
+            return source
+        restored, _ = self.checkpoints.restore(self.state, step=source)
+        self.state = restored.replace(step=self.state.step)
+        if version in steps:
+            self.checkpoints.delete(version)
+        self.checkpoints.save(version, self.state)
+        self.checkpoints.wait()
+        self.batches.prune(below=version + 1)
+        return source
 
     def hf_weights(self) -> dict[str, np.ndarray]:
         """The current params in the HF layout and the servers' dtype (cast on device,
@@ -160,9 +192,13 @@ class Trainer:
             raise ValueError(f"a batch of {length} positions exceeds the run's context of "
                              f"{self.max_len} tokens (model.max_seq_len)")
         t0 = time.perf_counter()
+        arrays, controls, rollback_to = split_controls(batch)
+        rolled_back_to = self.rollback(rollback_to) if rollback_to != NO_ROLLBACK else None
         self.batches.write(self.version, batch)
-        self.state, metrics = self._step(self.state, batch, self.ref_params)
+        self.state, metrics = self._step(self.state, arrays, self.ref_params, controls)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if rolled_back_to is not None:
+            metrics["gate/rolled_back_to"] = float(rolled_back_to)
         metrics["time/train_s"] = time.perf_counter() - t0
         if metrics["update_skipped"] != 0.0:
             return metrics, None
@@ -176,6 +212,15 @@ class Trainer:
             self.batches.prune(below=self.version)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         return metrics, weights
+
+
+def corrupt_weights(weights: dict[str, np.ndarray], noise: float, *, seed: int
+                    ) -> dict[str, np.ndarray]:
+    """FAULT INJECTION (`--faults.inject-corrupt-publish`): every tensor plus Gaussian
+    noise of `noise` × its own std, the kind of damage a bad weight transfer does."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + noise * float(np.std(v.astype(np.float32)))
+                * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in weights.items()}
 
 
 def enable_compilation_cache() -> None:
@@ -222,6 +267,9 @@ def serve(args: argparse.Namespace) -> None:
             elif cmd == "train":
                 trainer.note_batch_spec(arrays)
                 metrics, weights = trainer.train(arrays)
+                if weights is not None and trainer.version == cfg.faults.inject_corrupt_publish:
+                    weights = corrupt_weights(weights, cfg.faults.inject_noise, seed=cfg.seed)
+                    metrics["fault/corrupt_publish"] = 1.0
                 t0 = time.perf_counter()
                 if weights is not None:
                     relay.publish(trainer.version, weights)

@@ -155,8 +155,8 @@ def _is_summed(key: str) -> bool:
     return key == "loss" or key.endswith("/loss")
 
 
-def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: Params = None, *,
-               graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: Params = None,
+               controls: Mapping[str, Any] | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                loss_fn: Objective | Callable, micro_batches: int = 1,
                micro_sharding: jax.sharding.NamedSharding | None = None,
                logprob_chunk: int = 0, temperature: float = 1.0) -> tuple[TrainState, dict]:
@@ -170,6 +170,12 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     a micro-batch's B×T×V logits (fnrl.trainer.logprobs). π (and the reference) is
     softmax(logits / `temperature`), the sampling temperature: vLLM's behaviour log-probs
     are those of the distribution it sampled from.
+
+    `controls` (the correctness gates, fnrl.trainer.controls): {"lr_scale": the update's
+    multiplier, "max"/"min": {metric: bound}}. The update is kept only if every named
+    metric is within its bounds; a refused update keeps params and optimizer state but
+    still advances the step (`gate_refused` = 1): unlike a non-finite step, the version
+    is published, so rollouts leave weights that produced bad data.
     """
     objective = as_objective(loss_fn)
     needs_ref = "ref_logp_BxT" in objective.needs
@@ -219,20 +225,50 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
 
     loss = metrics["loss"]
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # Telemetry on the whole batch: trainer π (before the update) against vLLM's μ.
+    metrics = dict(metrics, **mismatch_metrics(logp_BxT, batch), grad_norm=optax.tree.norm(grads))
+    gate_ok = jnp.bool_(True)
+    if controls is not None:
+        # Scaling AdamW's update scales its learning rate (weight decay included); the
+        # moments are those of the unscaled run, as with a schedule.
+        updates = jax.tree.map(lambda u: u * controls["lr_scale"].astype(u.dtype), updates)
+        gate_ok = _within_bounds(metrics, controls)
+        metrics["update_ratio"] = optax.tree.norm(updates) / jnp.maximum(
+            optax.tree.norm(state.params), 1e-12)
+        metrics["gate_refused"] = 1.0 - gate_ok.astype(jnp.float32)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     # A skipped step keeps the whole state bit for bit. apply_if_finite alone would not:
     # it looks at the gradients only (not the loss) and counts the failure in its state.
-    keep = functools.partial(jnp.where, finite)   # keep(new, old)
+    keep = functools.partial(jnp.where, finite & gate_ok)   # keep(new, old)
     new_state = dataclasses.replace(
         state, step=state.step + finite.astype(jnp.int32),
         params=jax.tree.map(keep, params, state.params),
         opt_state=jax.tree.map(keep, opt_state, state.opt_state))
-    # Telemetry on the whole batch: trainer π (before the update) against vLLM's μ.
-    metrics = dict(metrics, **mismatch_metrics(logp_BxT, batch), grad_norm=optax.tree.norm(grads),
-                   update_skipped=1.0 - finite.astype(jnp.float32))
+    metrics["update_skipped"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
+
+
+def _gate_metric(metrics: Mapping[str, jnp.ndarray], key: str) -> jnp.ndarray | None:
+    """`key`, or the one loss term's "<term>/<key>" (a clip fraction); None if absent."""
+    if key in metrics:
+        return metrics[key]
+    found = [v for k, v in metrics.items() if k.endswith("/" + key)]
+    return found[0] if len(found) == 1 else None
+
+
+def _within_bounds(metrics: Mapping[str, jnp.ndarray], controls: Mapping[str, Any]) -> jnp.ndarray:
+    """True when every metric the controls bound is within its bound (NaN is not).
+    A metric this objective does not report is not bounded (fnrl.policy.gates reads it
+    as absent too)."""
+    ok = jnp.bool_(True)
+    for side, within in (("max", jnp.less_equal), ("min", jnp.greater_equal)):
+        for key, bound in controls[side].items():
+            value = _gate_metric(metrics, key)
+            if value is not None:
+                ok = ok & within(value.astype(jnp.float32), bound)
+    return ok
 
 
 def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
@@ -240,8 +276,9 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
                        logprob_chunk: int = 0):
     """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
 
-    The result is called as step(state, batch, ref_params); ref_params is None unless
-    the config uses KL (then the frozen initial params, placed by `ref_sharding`).
+    The result is called as step(state, batch, ref_params[, controls]); ref_params is
+    None unless the config uses KL (then the frozen initial params, placed by
+    `ref_sharding`); controls (replicated scalars) are the gates' (see `train_step`).
     Log-probs are at `algo.temperature`, the one the rollouts sample with.
     """
     objective = objective if objective is not None else build_objective(algo)
@@ -252,8 +289,19 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=objective,
                              micro_batches=micro_batches, micro_sharding=micro_sharding,
                              logprob_chunk=logprob_chunk, temperature=algo.temperature)
-    return jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding),
-                   out_shardings=(state_sharding, None), donate_argnums=0)
+    replicated = (jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+                  if isinstance(batch_sharding, jax.sharding.NamedSharding) else None)
+    jitted = jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding, replicated),
+                     out_shardings=(state_sharding, None), donate_argnums=0)
+
+    # jit wants one sharding per positional argument passed: callers without gates pass
+    # three, so the optional controls are filled in here.
+    def call(state, batch, ref_params=None, controls=None):
+        return jitted(state, batch, ref_params, controls)
+
+    call.lower = lambda state, batch, ref_params=None, controls=None: jitted.lower(
+        state, batch, ref_params, controls)
+    return call
 
 
 def sft_step(state: TrainState, batch: Mapping[str, jnp.ndarray], *, graphdef: nnx.GraphDef,

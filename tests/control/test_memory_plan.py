@@ -28,7 +28,8 @@ def test_every_role_by_hand():
     cfg = _cfg()
     plan = plan_memory(TINY, cfg, context_len=8)
     roles = {r.role: r for r in plan.roles}
-    assert list(roles) == ["trainer", "relay0", "relay1", "server0", "server1", "controller"]
+    assert list(roles) == ["trainer", "relay0", "relay1", "server0", "server1", "eval",
+                           "controller"]   # eval: the dedicated evaluation server
     # The trainer's largest batch: all its rows at the longest bucket within the context.
     assert trainer_batch_shape(cfg, 8) == (cfg.batch_size, 8)
     assert trainer_batch_shape(cfg, 100) == (cfg.batch_size, 64)
@@ -40,7 +41,8 @@ def test_every_role_by_hand():
     assert roles["relay1"].peak_bytes == 3 * version + RELAY_PROCESS_BYTES
     # KV: 2 layers x (K, V) x 1 kv head x 4 dims x 2 bytes = 32 bytes a token; 4 sequences
     # of one 128-token block, + 10% rounded up = 5, + vLLM's null block = 6 blocks.
-    assert dict(roles["server0"].items) == {"weights (bfloat16)": version,
+    # On CPU a server holds 3 copies of its weights at its peak (SERVER_WEIGHT_COPIES).
+    assert dict(roles["server0"].items) == {"weights (bfloat16) x 3": 3 * version,
                                             "KV 4 seqs x 8 tokens": 6 * 128 * 32,
                                             "process": SERVER_PROCESS_BYTES}
     assert roles["controller"].peak_bytes == CONTROLLER_BYTES
@@ -55,6 +57,7 @@ def test_a_standby_doubles_the_trainer_and_gpu_kv_is_not_host_memory():
     roles = {r.role: r for r in plan.roles}
     assert roles["standby"].peak_bytes == roles["trainer"].peak_bytes
     assert dict(roles["server1"].items)["KV 4 seqs x 8 tokens"] == 0
+    assert dict(roles["server1"].items)["weights (bfloat16) x 1"] == 2 * N
 
 
 def test_kv_memory_fraction_takes_its_share_of_node_0():

@@ -1,0 +1,154 @@
+"""Held-out evaluation pinned to a version, on a server of its own.
+
+The eval lane is one task beside the loop. When the trainer returns version v and v is
+due (every `eval_every`-th version, see `next_due`), the evaluation server loads exactly
+version v from the relay tier (`EvalServerHandle.pull_version`) and scores the held-out
+set on it (`score_heldout`): greedy accuracy, pass@k and mean@k. Nothing waits for it:
+the trainer goes on training, and the rollouts pull from the relays as before (no rollout
+ever serves an evaluation, so none of their pulls waits on one). A version that falls
+due while the lane is busy is evaluated when it is free if the relays still hold it
+(their newest `relay.keep_versions`), else the newest is; a multiple of `eval_every`
+passed over that way is counted (`evals_skipped`): a lane slower than `eval_every`
+steps evaluates what it can rather than falling behind.
+
+`score_heldout` is shared by the lane, by evaluation on a rollout
+(`--eval.server rollout`, fnrl.control.generation) and by the stop-the-world
+re-evaluation of a run's checkpoints (fnrl.experiments.evaluate), so a record means the
+same thing wherever it was made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from fnrl.config import RunConfig
+from fnrl.control.book import Book, Services, TaskIO
+from fnrl.control.handles import EvalServerHandle, RelayTierHandle, ServerError
+from fnrl.data.eval_metrics import ProblemScore, eval_record, finite_or_zero, sample_seed
+
+RewardFn = Callable[[Sequence[int], str], "float | None"]   # (response ids, gold) -> reward
+PULL_TIMEOUT_S = 60.0   # the version is on the relays already when it falls due
+
+
+def next_due(version: int, due: int, every: int, *, busy: bool,
+             held: int = 1) -> tuple[int | None, int]:
+    """Which version to evaluate now (None: none), and the next version due, when the
+    trainer has just returned `version`. A due version is evaluated once the lane is
+    free: the due one itself while the relays still hold it (one of their newest `held`),
+    else the newest; the version after it that is due is the next multiple of `every`."""
+    if busy or version < due:
+        return None, due
+    target = due if version - due < held else version
+    return target, target - target % every + every
+
+
+async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn) -> dict:
+    """The held-out record of the weights `generate` serves (without version or tokens):
+    one greedy response per problem and `cfg.eval.samples` seeded samples at the run's
+    sampling settings. `generate` is a handle's `generate` (RolloutHandle's signature)."""
+    k, algo = cfg.eval.samples, cfg.algo
+    stop = list(task.stop_ids)
+
+    async def response_reward(prompt_ids, problem, *, temperature, seed, top_p=1.0,
+                              top_k=-1) -> float:
+        (c,) = await generate(prompt_ids, n=1, max_tokens=algo.max_new_tokens,
+                              temperature=temperature, seed=seed, stop_token_ids=stop,
+                              top_p=top_p, top_k=top_k)
+        return finite_or_zero(reward(c.token_ids, problem.answer))
+
+    async def one(i: int, problem) -> ProblemScore:
+        prompt_ids = task.encode(problem.prompt)
+        greedy = response_reward(prompt_ids, problem, temperature=0.0, seed=0)
+        sampled = [response_reward(prompt_ids, problem, temperature=algo.temperature,
+                                   top_p=algo.top_p, top_k=algo.top_k,
+                                   seed=sample_seed(cfg.eval.seed, i, j, k)) for j in range(k)]
+        greedy_r, *sample_r = await asyncio.gather(greedy, *sampled)
+        return ProblemScore(level=problem.level, greedy=greedy_r, samples=tuple(sample_r))
+
+    scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(task.eval_set)))
+    return eval_record(scores, k=k)
+
+
+class EvalLane:
+    """The dedicated evaluation server's lane (see the module's docstring)."""
+
+    def __init__(self, cfg: RunConfig, server: EvalServerHandle, relays: RelayTierHandle, *,
+                 task: TaskIO, book: Book, svc: Services, writer, reward: RewardFn, log=print):
+        self.cfg, self.server, self.relays, self.task = cfg, server, relays, task
+        self.book, self.svc, self.writer, self.reward, self.log = book, svc, writer, reward, log
+        self.due = book.trainer_version     # the version the run starts at is evaluated
+        self.task_running: asyncio.Task | None = None
+        self.lost = False                   # the server failed: the lane stops
+
+    @property
+    def busy(self) -> bool:
+        return self.task_running is not None and not self.task_running.done()
+
+    def version_trained(self, version: int) -> None:
+        """The trainer returned `version` (published to the relays before it returned)."""
+        if self.lost:
+            return
+        every = self.cfg.eval_every
+        if self.busy and version >= self.due and version % every == 0:
+            # Due while the previous one is still being scored, and the relays keep only
+            # their newest versions: not evaluated (not queued: the lane never falls behind).
+            self.book.counts["evals_skipped"] += 1
+        target, self.due = next_due(version, self.due, every, busy=self.busy,
+                                    held=self.cfg.relay.keep_versions)
+        if target is not None:
+            self.task_running = self.svc.spawn(self._evaluate(target))
+
+    async def finish(self, version: int) -> None:
+        """At the start and the end: the evaluation under way lands, then `version` is
+        evaluated if it was not (outside the loop's measured wall either way)."""
+        if self.task_running is not None:
+            await asyncio.gather(self.task_running, return_exceptions=True)
+        if not self.lost and version not in self.book.evaluated_versions:
+            await self._evaluate(version)
+        self.due = max(self.due, version - version % self.cfg.eval_every + self.cfg.eval_every)
+
+    async def _evaluate(self, version: int) -> None:
+        t0 = self.svc.clock.now()
+        try:
+            served = await self.server.pull_version(self.relays.address_for(0), version,
+                                                    relay_timeout_s=PULL_TIMEOUT_S)
+            if served != version:
+                raise ServerError(f"{self.server.name} serves version {served}, not {version}")
+        except ServerError as err:
+            if self._server_lost(err):
+                return
+            # The relays retired it before the lane got there (a live server): skipped.
+            self.book.counts["evals_skipped"] += 1
+            self.log(f"eval @ version {version} skipped: {err}")
+            return
+        try:
+            record = await score_heldout(self.server.generate, self.task, self.cfg, self.reward)
+        except ServerError as err:
+            if self._server_lost(err):
+                return
+            raise
+        eval_s = self.svc.clock.now() - t0
+        record.update(version=version, trained_tokens=self.book.tokens_at_version.get(version, 0),
+                      lane="dedicated", eval_s=eval_s, 
+                      # 0 before the loop's clock starts (the first evaluation)
+                      wall_s=self.svc.now() if self.svc.t0 else 0.0)
+        self.writer.write("eval", version, record)
+        self.book.last_eval = {**record}
+        self.book.evaluated_versions.append(version)
+        self.book.time["eval_lane_s"] += eval_s
+        k = self.cfg.eval.samples
+        self.log(f"eval @ version {version} (dedicated server): greedy "
+                 f"{100 * record['accuracy']:.1f}%"
+                 + (f", pass@{k} {100 * record[f'pass@{k}']:.1f}%" if k else "")
+                 + f" in {eval_s:.1f}s")
+        self.svc.wake()
+
+    def _server_lost(self, err: Exception) -> bool:
+        """Whether the evaluation server died (the lane then stops; training goes on)."""
+        if self.server.exit_code() is None:
+            return False
+        self.lost = True
+        self.book.counts["evals_lost"] += 1
+        self.log(f"eval server {self.server.exit_reason()}; held-out evaluation stops: {err}")
+        return True

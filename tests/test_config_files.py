@@ -1,0 +1,140 @@
+"""`--config FILE`: a run's config.json re-runs exactly, a partial YAML file overrides
+the defaults and flags override the file, and bad keys or values name their path."""
+
+import dataclasses
+import json
+
+import pytest
+
+from fnrl.config import (AlgoConfig, CoordinatorConfig, RoutingConfig, RunConfig, TaskConfig,
+                         TrainerConfig, save_json, to_dict)
+from fnrl.config.files import nest, overlay, read_config_file
+from fnrl.experiments.math_grpo import parse_config
+from fnrl.experiments.presets import apply_preset
+
+
+def odd_config() -> RunConfig:
+    """A config far from the defaults in every kind of field: tuples of tuples, a
+    Literal, an optional int, nested sections, a preset."""
+    cfg = apply_preset("staleflow", RunConfig(
+        steps=7, seed=3, run_dir="/somewhere/else",
+        task=TaskConfig(num_eval=32, stop_tokens=("<a>", "<b>"), answer_format="boxed"),
+        algo=AlgoConfig(loss_terms=(("ppo_clip", 1.0), ("aipo", 0.5)), learning_rate=3e-4,
+                        top_k=5),
+        trainer=TrainerConfig(length_buckets=(32, 64, 128), remat=True)))
+    coord = dataclasses.replace(cfg.coord, eta=3,
+                                routing=dataclasses.replace(cfg.coord.routing, max_routes=None))
+    return dataclasses.replace(cfg, coord=coord)
+
+
+def test_a_saved_config_json_parses_back_to_the_same_config(tmp_path):
+    cfg = odd_config()
+    save_json(cfg, tmp_path / "config.json")
+    assert parse_config(["--config", str(tmp_path / "config.json")]) == cfg
+    # The same file with a flag: the flag wins, nothing else moves.
+    again = parse_config([f"--config={tmp_path / 'config.json'}", "--steps", "9"])
+    assert again == dataclasses.replace(cfg, steps=9)
+
+
+def test_a_run_directorys_config_json_reruns_in_a_new_directory(tmp_path):
+    cfg = dataclasses.replace(odd_config(), run_dir=str(tmp_path))
+    save_json(cfg, tmp_path / "config.json")
+    (tmp_path / "run_info.json").write_text("{}")
+    assert parse_config(["--config", str(tmp_path / "config.json")]).run_dir == ""
+    assert parse_config(["--config", str(tmp_path / "config.json"), "--run-dir", "x"]).run_dir == "x"
+
+
+def test_a_partial_yaml_file_overrides_the_preset_and_flags_override_the_file(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("preset: sync\nsteps: 3\nalgo.learning_rate: 1e-4\n"
+                    "algo:\n  loss_terms: [[ppo_clip, 1], [aipo, 0.25]]\n"
+                    "trainer.length-buckets: [32, 64]\ncoord.eta: 1\n")
+    cfg = parse_config(["--config", str(path), "--steps", "5"])
+    assert cfg.preset == "sync" and cfg.steps == 5          # the flag over the file
+    assert cfg.algo.learning_rate == 1e-4                   # YAML 1.1 reads "1e-4" as text
+    assert cfg.algo.loss_terms == (("ppo_clip", 1.0), ("aipo", 0.25))
+    assert cfg.trainer.length_buckets == (32, 64)
+    # The file's eta over its preset's; the rest of the coordinator is sync's.
+    assert cfg.coord.eta == 1 and cfg.coord.routing == apply_preset("sync").coord.routing
+    # Fields the file does not name keep the defaults.
+    assert cfg.algo.group_size == RunConfig().algo.group_size
+    assert cfg.algo.lr_schedule == RunConfig().algo.lr_schedule == "cosine"
+    # A --preset flag sets the coordinator over the file's, as a preset does.
+    flagged = parse_config(["--config", str(path), "--preset", "fnrl"])
+    assert flagged.preset == "fnrl" and flagged.coord == apply_preset("fnrl").coord
+    assert flagged.steps == 3
+
+
+def test_a_file_without_a_preset_starts_from_the_default_preset(tmp_path):
+    (tmp_path / "a.yaml").write_text("steps: 2\n")
+    assert parse_config(["--config", str(tmp_path / "a.yaml")]) == \
+        dataclasses.replace(parse_config([]), steps=2)
+    (tmp_path / "empty.yaml").write_text("")
+    assert parse_config(["--config", str(tmp_path / "empty.yaml")]) == parse_config([])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("algo:\n  learnin_rate: 3\n", "unknown config key(s) algo.learnin_rate"),
+    ("stepz: 3\n", "unknown config key(s) stepz"),
+    ("rollout: {num_servers: two}\n", "rollout.num_servers='two': expected an integer"),
+    ("steps: -1\n", "RunConfig.steps=-1"),
+    ("coord.routing.mu: 2.0\n", "mu"),
+    ("algo.loss_terms: [[ppo_clip]]\n", "algo.loss_terms[0]"),
+    ("trainer.remat: 1\n", "trainer.remat=1: expected true or false"),
+    ("task.answer_format: latex\n", "task.answer_format='latex': expected one of"),
+    ("algo: 3\n", "algo is a section"),
+    ("preset: nope\n", "RunConfig.preset='nope'"),
+    ("algo.learning_rate: fast\n", "algo.learning_rate='fast': expected a number"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+    ("steps: 3\nsteps.x: 1\n", "steps"),
+])
+def test_bad_files_name_the_file_and_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        parse_config(["--config", str(path)])
+    assert message in str(err.value) and "bad.yaml" in str(err.value)
+
+
+def test_missing_and_unknown_kinds_of_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.yaml"):
+        read_config_file(tmp_path / "nothere.yaml")
+    (tmp_path / "c.toml").write_text("steps = 3")
+    with pytest.raises(ValueError, match=r"\.json, \.yaml or \.yml"):
+        read_config_file(tmp_path / "c.toml")
+    (tmp_path / "c.json").write_text("{steps: 3")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_config_file(tmp_path / "c.json")
+
+
+def test_nest_expands_dotted_and_hyphenated_keys():
+    assert nest({"algo.learning-rate": 1, "algo": {"group_size": 4}, "coord.routing.mu": 0.5}) \
+        == {"algo": {"learning_rate": 1, "group_size": 4}, "coord": {"routing": {"mu": 0.5}}}
+    with pytest.raises(ValueError, match="given twice"):
+        nest({"algo.group_size": 4, "algo": {"group_size": 8}})
+
+
+def test_overlay_changes_only_what_it_names():
+    cfg = overlay(RunConfig(), {"coord": {"routing": {"sync": "lazy"}}, "seed": 4})
+    assert cfg.coord.routing.sync == "lazy" and cfg.seed == 4
+    assert to_dict(dataclasses.replace(cfg, seed=0, coord=CoordinatorConfig(
+        routing=RoutingConfig()))) == to_dict(RunConfig())
+    assert json.dumps(to_dict(cfg))   # still plain data
+
+
+def test_the_file_wins_over_the_models_sampling_values_and_flags_over_both(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    path = tmp_path / "a.yaml"
+    path.write_text(f"model.model_dir: {model}\nalgo.temperature: 0.9\n")
+    algo = parse_config(["--config", str(path)]).algo
+    assert (algo.temperature, algo.top_p, algo.top_k) == (0.9, 0.8, 20)
+    algo = parse_config(["--config", str(path), "--algo.temperature", "0.5"]).algo
+    assert (algo.temperature, algo.top_p, algo.top_k) == (0.5, 0.8, 20)
+    # A run's config.json names every sampling value: the model's file changes none.
+    cfg = parse_config(["--config", str(path)])
+    save_json(cfg, tmp_path / "config.json")
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
+    assert parse_config(["--config", str(tmp_path / "config.json")]) == cfg
