@@ -63,6 +63,7 @@ class Trainer:
         state_sh = state_shardings(self.optimizer, host_params, param_sh)
         self.state = init_sharded_state(place_params(host_params, param_sh), self.optimizer,
                                         state_sh)
+        self._model_dir, self._param_sh, self._state_sh = model_dir, param_sh, state_sh
         # The KL reference is the initial model, frozen: no gradients, so it is held in
         # the compute dtype. Without KL it is never loaded.
         self.ref_params = None
@@ -160,9 +161,22 @@ class Trainer:
         steps = self.checkpoints.all_steps()
         source = max((s for s in steps if s <= to_version), default=NO_ROLLBACK)
         version = self.version
+        if source == NO_ROLLBACK and to_version == 0:
+            # Version 0 is the pretrained model itself, never checkpointed: rebuilt from it.
+            # (An older good version whose checkpoint is gone is not replaced by it: that
+            # would silently drop every good step since; the gates stop instead.)
+            source = 0
         if source == NO_ROLLBACK or source == version:
             return source
-        restored, _ = self.checkpoints.restore(self.state, step=source)
+        if source in steps:
+            restored, _ = self.checkpoints.restore(self.state, step=source)
+        else:
+            tc = self.cfg.trainer
+            host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
+                                          param_dtype=jnp.dtype(tc.param_dtype),
+                                          remat=tc.remat)[2]
+            restored = init_sharded_state(place_params(host_params, self._param_sh),
+                                          self.optimizer, self._state_sh)
         self.state = restored.replace(step=self.state.step)
         if version in steps:
             self.checkpoints.delete(version)

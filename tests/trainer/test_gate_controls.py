@@ -102,6 +102,18 @@ def test_rollback_without_a_checkpoint_changes_nothing(make):
     assert metrics["gate/rolled_back_to"] == -1.0 and _host(t.state.params) == before
 
 
+def test_rollback_to_version_0_rebuilds_the_pretrained_model(make):
+    """Version 0 is never checkpointed (it is the model directory): a first step that
+    trips a rollback gate goes back to it."""
+    t = make()
+    at_zero = _host(t.state.params)
+    t.train(_batch(0))
+    assert _host(t.state.params) != at_zero and 0 not in t.checkpoints.all_steps()
+    metrics, weights = t.train(_batch(1, lr_scale=0.0, rollback_to=0))
+    assert metrics["gate/rolled_back_to"] == 0.0 and t.version == 2
+    assert _host(t.state.params) == at_zero and weights is not None
+
+
 def test_replay_applies_the_logged_lr_scale(make):
     first = make(checkpoint_every=4)
     for seed, scale in enumerate((1.0, 0.1, 0.01)):
