@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fnrl.control.metrics import read_jsonl
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rounds import Spread, environment, load, round_orders  # noqa: E402
 
@@ -79,9 +81,7 @@ def run_job(name: str, out: Path, args: list[str]) -> dict:
         tail = (out / f"{name}.log").read_text()[-3000:]
         raise SystemExit(f"[{name}] failed with code {proc.returncode}:\n{tail}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    events = []
-    if (run_dir / "faults.jsonl").exists():
-        events = [json.loads(l) for l in (run_dir / "faults.jsonl").read_text().splitlines()]
+    events = read_jsonl(run_dir / "faults.jsonl")
     print(f"[{name}] done in {elapsed:.0f} s", flush=True)
     return {"summary": summary, "events": events, "elapsed_s": elapsed}
 

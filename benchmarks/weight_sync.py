@@ -101,6 +101,22 @@ def wait_spares(addresses: list[str], timeout_s: float = 120.0) -> None:
                 time.sleep(0.02)
 
 
+def _paired(orders, tier, ref, run, *, start: int = 0, before=None):
+    """Each round's sides in its order, on quiet relays: (reference seconds, run
+    seconds), one of each per round. `run` and `before` get the round's version."""
+    refs, runs = [], []
+    for version, order in enumerate(orders, start=start):
+        if before is not None:
+            before(version)
+        for side in order:
+            wait_spares(tier.addresses)
+            if side == "ref":
+                refs.append(ref())
+            else:
+                runs.append(run(version))
+    return refs, runs
+
+
 def stall_and_pull(size: int, log_dir: str, runs: int, seed: int) -> dict:
     """Trainer stall and pull-to-serving on one master relay, `runs` of each after a
     warm-up, each beside its reference in the same round; per-round ratios."""
@@ -117,31 +133,29 @@ def stall_and_pull(size: int, log_dir: str, runs: int, seed: int) -> dict:
         # (the copy any reload makes; torch memory has 4 KiB pages, ~3x slower at 2 GB)
         # for the pull.
         dst = {k: np.ones_like(a) for k, a in src.items()}
-        refs, stalls = [], []
-        for version, order in enumerate(orders):  # the first publish maps the inbox: warm-up
-            for side in order:
-                wait_spares(tier.addresses)
-                if side == "ref":
-                    refs.append(memcpy_s(src, dst))
-                    continue
-                t = time.perf_counter()
-                master.publish(version, src, wait="held")
-                stalls.append(time.perf_counter() - t)
-                master.wait_version(version, timeout_s=120)
+
+        def stall(version: int) -> float:
+            t = time.perf_counter()
+            master.publish(version, src, wait="held")
+            took = time.perf_counter() - t
+            master.wait_version(version, timeout_s=120)
+            return took
+
+        # The first publish maps the inbox: a warm-up.
+        refs, stalls = _paired(orders, tier, lambda: memcpy_s(src, dst), stall)
         del dst  # one reference destination at a time: 2 GB fits in less memory
         serving = {k: torch.zeros(a.shape, dtype=torch.float32) for k, a in src.items()}
         serving_np = {k: t.numpy() for k, t in serving.items()}
-        pull_refs, pulls = [], []
-        for version, order in enumerate(orders, start=len(orders)):  # first pull maps: warm-up
-            master.publish(version, src, wait="visible")
-            for side in order:
-                wait_spares(tier.addresses)
-                if side == "ref":
-                    pull_refs.append(memcpy_s(src, serving_np))
-                    continue
-                t = time.perf_counter()
-                pull(master, serving)
-                pulls.append(time.perf_counter() - t)
+
+        def timed_pull(version: int) -> float:
+            t = time.perf_counter()
+            pull(master, serving)
+            return time.perf_counter() - t
+
+        # The first pull maps: a warm-up.
+        pull_refs, pulls = _paired(orders, tier, lambda: memcpy_s(src, serving_np), timed_pull,
+                                   start=len(orders),
+                                   before=lambda v: master.publish(v, src, wait="visible"))
         master.close()
         return {"ref": statistics.median(refs[1:]), "stall": statistics.median(stalls[1:]),
                 "stall_ratio": Spread.of([s / r for s, r in zip(stalls[1:], refs[1:])]),

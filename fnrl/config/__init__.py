@@ -12,7 +12,7 @@ registers (fnrl.losses.register) is added through `accept_name`.
 from fnrl.config.algo import (ADVANTAGE_NAMES, AGGREGATION_NAMES, CORRECTION_NAMES,
                               KL_ESTIMATOR_NAMES, LOSS_TERM_NAMES, AlgoConfig, accept_name,
                               known_names)
-from fnrl.config.base import check, finite, from_dict, positive, save_json, to_dict
+from fnrl.config.base import check, finite, from_dict, load_json, positive, save_json, to_dict
 from fnrl.config.cluster import ClusterConfig
 from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, CoordinatorConfig,
                                CostModel, RepackConfig, RoutingConfig)
@@ -31,5 +31,6 @@ __all__ = [
     "Injection", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",
-    "from_dict", "known_names", "parse_injection", "positive", "save_json", "to_dict",
+    "from_dict", "known_names", "load_json", "parse_injection", "positive", "save_json",
+    "to_dict",
 ]

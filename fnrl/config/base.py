@@ -54,3 +54,8 @@ def from_dict(cls: type, data: dict) -> Any:
 
 def save_json(cfg: Any, path: Path) -> None:
     path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))
+
+
+def load_json(cls: type, path: Path) -> Any:
+    """A config `save_json` wrote (a run directory's config.json), as `cls`."""
+    return from_dict(cls, json.loads(Path(path).read_text()))

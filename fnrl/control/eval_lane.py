@@ -70,6 +70,25 @@ async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn
     return eval_record(scores, k=k)
 
 
+def record_eval(book: Book, svc: Services, writer, record: dict, *, version: int, lane: str,
+                t0: float, log) -> None:
+    """Completes a scored record (version, trained tokens, lane, times), writes it and
+    books it: shared by the lane and by evaluation on a rollout."""
+    eval_s = svc.clock.now() - t0
+    record.update(version=version, trained_tokens=book.tokens_at_version.get(version, 0),
+                  lane=lane, eval_s=eval_s,
+                  # 0 before the loop's clock starts (the first evaluation)
+                  wall_s=svc.now() if svc.t0 else 0.0)
+    writer.write("eval", version, record)
+    book.last_eval = dict(record)
+    book.evaluated_versions.append(version)
+    book.time["eval_lane_s" if lane == "dedicated" else "eval_s"] += eval_s
+    log(f"eval @ version {version} ({lane}): greedy {100 * record['accuracy']:.1f}%"
+        + "".join(f", {key} {100 * record[key]:.1f}%" for key in record if key.startswith("pass@"))
+        + f" in {eval_s:.1f}s")
+    svc.wake()
+
+
 class EvalLane:
     """The dedicated evaluation server's lane (see the module's docstring)."""
 
@@ -128,21 +147,8 @@ class EvalLane:
             if self._server_lost(err):
                 return
             raise
-        eval_s = self.svc.clock.now() - t0
-        record.update(version=version, trained_tokens=self.book.tokens_at_version.get(version, 0),
-                      lane="dedicated", eval_s=eval_s, 
-                      # 0 before the loop's clock starts (the first evaluation)
-                      wall_s=self.svc.now() if self.svc.t0 else 0.0)
-        self.writer.write("eval", version, record)
-        self.book.last_eval = {**record}
-        self.book.evaluated_versions.append(version)
-        self.book.time["eval_lane_s"] += eval_s
-        k = self.cfg.eval.samples
-        self.log(f"eval @ version {version} (dedicated server): greedy "
-                 f"{100 * record['accuracy']:.1f}%"
-                 + (f", pass@{k} {100 * record[f'pass@{k}']:.1f}%" if k else "")
-                 + f" in {eval_s:.1f}s")
-        self.svc.wake()
+        record_eval(self.book, self.svc, self.writer, record, version=version,
+                    lane="dedicated", t0=t0, log=self.log)
 
     def _server_lost(self, err: Exception) -> bool:
         """Whether the evaluation server died (the lane then stops; training goes on)."""

@@ -30,28 +30,15 @@ from fnrl.trainer.controls import NO_ROLLBACK, pack_controls
 STOP_REPORT = "gates_stop.json"
 
 
-def restored_settings(journal_path: Path) -> tuple[float, int]:
-    """(lr_scale, rollbacks) from the journal's last gate record; (1.0, 0) without one."""
-    lr_scale, rollbacks = 1.0, 0
-    if journal_path.exists():
-        for line in journal_path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break   # a torn tail (fnrl.control.journal)
-            if rec.get("ev") == "gate":
-                lr_scale, rollbacks = rec["lr_scale"], rec["rollbacks"]
-    return lr_scale, rollbacks
-
-
 class Gating:
     """Holds the GateState of one attempt; `controls` before a step, `observe` after."""
 
     def __init__(self, cfg: RunConfig, *, run_dir: Path, journal, writer,
-                 log: Callable[[str], None], version: int):
+                 log: Callable[[str], None], version: int, lr_scale: float = 1.0,
+                 rollbacks: int = 0):
+        """`lr_scale` and `rollbacks`: where the run's journal left them (journal.replay)."""
         self.cfg, self.run_dir, self.journal = cfg, run_dir, journal
         self.writer, self.log = writer, log
-        lr_scale, rollbacks = restored_settings(run_dir / "journal.jsonl")
         self.state = gates.initial_state(version, lr_scale=lr_scale, rollbacks=rollbacks)
         self.pending_rollback = NO_ROLLBACK
         self.stop_report: dict | None = None

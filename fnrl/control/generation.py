@@ -23,7 +23,7 @@ from typing import Protocol
 
 from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
-from fnrl.control.eval_lane import score_heldout
+from fnrl.control.eval_lane import record_eval, score_heldout
 from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
 from fnrl.data.partial_pool import PartialResponsePool
@@ -279,16 +279,8 @@ class Generation:
                 raise
             self.book.counts["evals_lost"] += 1   # the rollout failed under it
             return
-        record.update(version=version, trained_tokens=self.book.tokens_at_version.get(version, 0),
-                      lane="rollout", eval_s=self.svc.clock.now() - t0, 
-                      # 0 before the loop's clock starts (the first evaluation)
-                      wall_s=self.svc.now() if self.svc.t0 else 0.0)
-        self.writer.write("eval", version, record)
-        self.book.last_eval = {"version": version, **record}
-        self.book.evaluated_versions.append(version)
-        self.book.time["eval_s"] += self.svc.clock.now() - t0
-        self.log(f"eval @ version {version}: held-out accuracy {100 * record['accuracy']:.1f}%")
-        self.svc.wake()
+        record_eval(self.book, self.svc, self.writer, record, version=version, lane="rollout",
+                    t0=t0, log=self.log)
 
     async def evaluate_now(self) -> None:
         """Evaluates the trainer's newest version on rollout 0, pulling it first."""

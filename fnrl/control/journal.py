@@ -41,6 +41,8 @@ class Replayed:
     trained_steps: int = 0                              # train steps done, skipped ones too
     """(version, problem uids) of batches the trainer applied but whose return the
     controller never saw: their consumption must still be logged."""
+    gate_lr_scale: float = 1.0          # the correctness gates' last learning-rate scale
+    gate_rollbacks: int = 0             # ...and their rollbacks so far (fnrl.control.gating)
 
     @property
     def prompts_taken(self) -> int:
@@ -66,6 +68,11 @@ def _good_records(path: Path) -> tuple[list[dict], int]:
     return records, good
 
 
+def records(path: Path) -> list[dict]:
+    """The journal's records up to the first torn line ([] without a journal)."""
+    return _good_records(path)[0] if path.exists() else []
+
+
 def replay(path: Path, *, trainer_version: int) -> Replayed:
     """The journal's state, given the version the trainer restored."""
     if not path.exists():
@@ -75,8 +82,11 @@ def replay(path: Path, *, trainer_version: int) -> Replayed:
     dropped: set[str] = set()
     pending: dict[int, tuple[str, ...]] = {}
     trained = 0
+    lr_scale, rollbacks = 1.0, 0
     for r in _good_records(path)[0]:
         ev = r["ev"]
+        if ev == "gate":
+            lr_scale, rollbacks = r["lr_scale"], r["rollbacks"]
         if ev == "fill":
             groups.append(FilledGroup(r["problem"], tuple(r["uids"]), tuple(r["lens"])))
         elif ev == "drop":
@@ -92,7 +102,7 @@ def replay(path: Path, *, trainer_version: int) -> Replayed:
             consumed.update(names)
             unlogged.append((version, names))
     return Replayed(tuple(groups), frozenset(consumed), frozenset(dropped), tuple(unlogged),
-                    trained + len(unlogged))
+                    trained + len(unlogged), gate_lr_scale=lr_scale, gate_rollbacks=rollbacks)
 
 
 @dataclass

@@ -76,7 +76,9 @@ class Controller:
                                      svc=self.svc, progress=self.supervisor, writer=writer, log=self.log)
         # The correctness gates (fnrl.policy.gates) judge every returned step.
         self.gating = Gating(cfg, run_dir=run_dir, journal=self.journal, writer=writer,
-                             log=self.log, version=trainer_version)
+                             log=self.log, version=trainer_version,
+                             lr_scale=self.replayed.gate_lr_scale,
+                             rollbacks=self.replayed.gate_rollbacks)
         self.training = Training(cfg, roles.trainer, table=self.table, consumed=self.consumed,
                                  journal=self.journal, task=task, book=self.book, svc=self.svc,
                                  watch=self.supervisor, on_step=self._log_step,

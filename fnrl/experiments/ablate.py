@@ -98,12 +98,12 @@ _WARM = """
 import json, sys
 from pathlib import Path
 import numpy as np
-from fnrl.config import RunConfig, from_dict
+from fnrl.config import RunConfig, load_json
 from fnrl.trainer.batching import default_buckets
 from fnrl.trainer.role import Trainer, enable_compilation_cache
 from fnrl.trainer.step import pack_sequences
 enable_compilation_cache()
-cfg = from_dict(RunConfig, json.loads(Path(sys.argv[1]).read_text()))
+cfg = load_json(RunConfig, sys.argv[1])
 model_dir, run_dir, seq_len = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 trainer = Trainer(cfg, model_dir, run_dir)
 rows = cfg.algo.groups_per_step * cfg.algo.group_size

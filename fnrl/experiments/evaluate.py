@@ -28,7 +28,7 @@ from pathlib import Path
 
 import aiohttp
 
-from fnrl.config import RunConfig, from_dict
+from fnrl.config import RunConfig, load_json
 from fnrl.control.eval_lane import score_heldout
 from fnrl.control.metrics import read_jsonl
 from fnrl.control.roles import Cluster
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_dir = args.run_dir.absolute()
     try:
-        cfg = from_dict(RunConfig, json.loads((run_dir / "config.json").read_text()))
+        cfg = load_json(RunConfig, run_dir / "config.json")
         records = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")
                    if r["kind"] == "eval"}
         versions = sorted(records) if args.versions is None else args.versions

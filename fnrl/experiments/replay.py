@@ -36,7 +36,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from fnrl.config import RunConfig, from_dict
+from fnrl.config import RunConfig, load_json
+from fnrl.control import journal
+from fnrl.control.metrics import read_jsonl
 from fnrl.control.training import corrupt_logprobs
 from fnrl.data.tokenizer import ChatTokenizer
 from fnrl.experiments.math_grpo import context_len, resolve_model_dir
@@ -77,15 +79,10 @@ def read_steps(run_dir: Path) -> list[Step]:
     groups, in which order, and the controls) and trajectories.jsonl (their tokens)."""
     run_dir = Path(run_dir)
     records = {}
-    for n, line in enumerate((run_dir / "trajectories.jsonl").read_text().splitlines(), 1):
-        rec = json.loads(line)
-        records[rec["group"]] = (rec, f"trajectories.jsonl line {n}")
+    for n, rec in enumerate(read_jsonl(run_dir / "trajectories.jsonl"), 1):
+        records[rec["group"]] = (rec, f"trajectories.jsonl record {n}")
     problems, pending, steps = {}, {}, []
-    for line in (run_dir / "journal.jsonl").read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            break   # a torn tail: the action it recorded never happened
+    for r in journal.records(run_dir / "journal.jsonl"):
         if r["ev"] == "fill":
             problems[r["problem"]["uid"]] = Problem(**r["problem"])
         elif r["ev"] == "consume":
@@ -168,7 +165,7 @@ def replay(run_dir: Path, *, steps: int | None = None, model_dir: Path | None = 
     checkpoint) and compares with the checkpoint of that version. Returns
     {"version", "batches", "seconds", "diffs": {leaf: max abs diff}}."""
     run_dir = Path(run_dir).absolute()
-    cfg = from_dict(RunConfig, json.loads((run_dir / "config.json").read_text()))
+    cfg = load_json(RunConfig, run_dir / "config.json")
     model_dir = Path(model_dir) if model_dir else resolve_model_dir(cfg)
     seq_len = context_len(cfg, model_dir)
     pad_id = ChatTokenizer.for_task(model_dir, cfg.task).pad_id

@@ -61,10 +61,6 @@ class Checkpointer:
         """Removes checkpoint `step` (a rollback replaces a bad version's with a good one)."""
         self._manager.delete(step)
 
-    def all_steps(self) -> list[int]:
-        """Every finished checkpoint's step (version), oldest first."""
-        return sorted(self._manager.all_steps())
-
     def save(self, step: int, state: Any, extra: dict | None = None) -> None:
         """Starts an async save; returns once device buffers are copied (not written)."""
         self._manager.save(step, args=ocp.args.Composite(

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnrl.config import RunConfig, from_dict
+from fnrl.config import RunConfig, load_json
 from fnrl.models.hf_io import load_pretrained, params_to_hf
 from fnrl.models.decoder import logical_axes
 from fnrl.relay.chain import detection_window_s
@@ -61,9 +61,8 @@ class Trainer:
         self.optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
         # Sharded init: shardings from shapes alone, then the state is built in place.
         state_sh = state_shardings(self.optimizer, host_params, param_sh)
-        self.state = init_sharded_state(place_params(host_params, param_sh), self.optimizer,
-                                        state_sh)
         self._model_dir, self._param_sh, self._state_sh = model_dir, param_sh, state_sh
+        self.state = self._initial_state(host_params)
         # The KL reference is the initial model, frozen: no gradients, so it is held in
         # the compute dtype. Without KL it is never loaded.
         self.ref_params = None
@@ -84,6 +83,17 @@ class Trainer:
         self._serving_cast = jax.jit(lambda p: jax.tree.map(
             lambda x: x.astype(self.serve_dtype), p))
         self.restore_latest(replay=False)
+
+    def _initial_state(self, host_params=None):
+        """The state at version 0: the model directory's weights (read again unless
+        given), fresh optimizer state, born sharded."""
+        if host_params is None:
+            tc = self.cfg.trainer
+            host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
+                                          param_dtype=jnp.dtype(tc.param_dtype),
+                                          remat=tc.remat)[2]
+        return init_sharded_state(place_params(host_params, self._param_sh), self.optimizer,
+                                  self._state_sh)
 
     @property
     def version(self) -> int:
@@ -171,12 +181,7 @@ class Trainer:
         if source in steps:
             restored, _ = self.checkpoints.restore(self.state, step=source)
         else:
-            tc = self.cfg.trainer
-            host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
-                                          param_dtype=jnp.dtype(tc.param_dtype),
-                                          remat=tc.remat)[2]
-            restored = init_sharded_state(place_params(host_params, self._param_sh),
-                                          self.optimizer, self._state_sh)
+            restored = self._initial_state()
         self.state = restored.replace(step=self.state.step)
         if version in steps:
             self.checkpoints.delete(version)
@@ -248,7 +253,7 @@ def enable_compilation_cache() -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    cfg = from_dict(RunConfig, json.loads(Path(args.config).read_text()))
+    cfg = load_json(RunConfig, args.config)
     set_cpu_threads(cfg.trainer.cpu_threads)   # XLA sizes its CPU pool at backend start
     enable_compilation_cache()
     # Only requests sealed with the run's secret get through (fnrl.shell.auth).

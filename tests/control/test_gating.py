@@ -8,7 +8,7 @@ import numpy as np
 
 from fnrl.config import GatesConfig, RunConfig
 from fnrl.control.gating import STOP_REPORT, Gating
-from fnrl.control.journal import Journal
+from fnrl.control.journal import Journal, replay
 from fnrl.trainer.controls import split_controls
 
 CLEAN = {"mismatch/kl_k3": 1e-4, "mismatch/is_p01": 0.95, "mismatch/is_p99": 1.05,
@@ -26,10 +26,13 @@ class Writer:
 
 
 def _gating(tmp_path, **gates):
+    # As the loop does: the journal's replay says where an earlier attempt left the gates.
+    replayed = replay(tmp_path / "journal.jsonl", trainer_version=0)
     journal = Journal(tmp_path / "journal.jsonl")
     lines, writer = [], Writer()
     g = Gating(RunConfig(gates=GatesConfig(**gates)), run_dir=tmp_path, journal=journal,
-               writer=writer, log=lines.append, version=0)
+               writer=writer, log=lines.append, version=0, lr_scale=replayed.gate_lr_scale,
+               rollbacks=replayed.gate_rollbacks)
     return g, journal, writer, lines
 
 
