@@ -10,8 +10,8 @@ from fnrl.config.base import check, finite, positive
 # The registered names of fnrl.losses (config may not import the registries, which
 # pull in JAX; tests/test_config.py keeps each tuple equal to its registry's keys).
 LOSS_TERM_NAMES = ("ppo_clip", "grpo", "aipo", "decoupled_ppo", "gspo", "cispo", "sapo", "gmpo",
-                   "gpg", "clip_cov", "kl_cov", "kl", "entropy")
-ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gpg", "opo", "passk")
+                   "gpg", "clip_cov", "kl_cov", "kl", "entropy", "value")
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gpg", "opo", "passk", "gae")
 AGGREGATION_NAMES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 CORRECTION_NAMES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
@@ -107,6 +107,12 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     kl_in: str = "loss"                 # "loss" (a term) or "reward" (shapes advantages)
     entropy_coef: float = 0.0
+    # PPO with a critic (fnrl.losses.value): advantage "gae" with the "value" loss term.
+    gae_gamma: float = 1.0
+    gae_lambda: float = 0.95
+    value_clip: float = 0.2             # 0 = off
+    critic_lr: float = 1e-3             # the value head's AdamW rate (its own optimizer)
+    value_trunk_grad: bool = False      # True: the value loss also trains the shared trunk
     # DAPO: drop zero-variance groups; soft overlong punishment over the last tokens.
     dynamic_sampling: bool = False
     overlong_buffer: int = 0
@@ -181,6 +187,23 @@ class AlgoConfig:
               "overlong_buffer", self.overlong_buffer, "must be < max_new_tokens")
         check(self.overlong_penalty >= 0, name, "overlong_penalty", self.overlong_penalty,
               "must be >= 0")
+        check(0 < self.gae_gamma <= 1, name, "gae_gamma", self.gae_gamma, "must be in (0, 1]")
+        check(0 <= self.gae_lambda <= 1, name, "gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        check(finite(self.value_clip) and self.value_clip >= 0, name, "value_clip",
+              self.value_clip, "must be >= 0 (0 = off)")
+        positive(self, "critic_lr")
+        has_value = any(t == "value" for t, _ in self.loss_terms)
+        check(has_value == (self.advantage == "gae"), name, "advantage/loss_terms",
+              (self.advantage, self.loss_terms),
+              "PPO with a critic needs both advantage='gae' and a 'value' loss term "
+              "(the critic is trained only by the value term, and read only by GAE)")
+        check(not (self.uses_critic and self.kl_coef > 0 and self.kl_in == "reward"), name,
+              "kl_in", self.kl_in, "KL in the reward is not supported with GAE; use kl_in='loss'")
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the trainer holds a value head (PPO with GAE: fnrl.losses.value)."""
+        return self.advantage == "gae"
 
     @property
     def needs_reference(self) -> bool:

@@ -51,8 +51,8 @@ def restore_weights(cfg: RunConfig, model_dir: Path, run_dir: Path, versions: li
     from fnrl.models.decoder import logical_axes
     from fnrl.sharding.mesh import mesh_from_config, shardings_for
     from fnrl.trainer.checkpoint import Checkpointer
-    from fnrl.trainer.step import (init_sharded_state, make_optimizer, place_params,
-                                   state_shardings)
+    from fnrl.trainer.step import (init_sharded_state, initial_critic, make_optimizer,
+                                   place_params, state_shardings)
 
     tc = cfg.trainer
     model_cfg, _, host_params = load_pretrained(
@@ -63,8 +63,9 @@ def restore_weights(cfg: RunConfig, model_dir: Path, run_dir: Path, versions: li
     param_sh = shardings_for(logical_axes(model_cfg), host_params, mesh)
     optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
     # Shardings first: place_params consumes the host copy.
-    state_sh = state_shardings(optimizer, host_params, param_sh)
-    state = init_sharded_state(place_params(host_params, param_sh), optimizer, state_sh)
+    critic = initial_critic(cfg.algo, model_cfg.hidden_size)   # the checkpoints hold it too
+    state_sh = state_shardings(optimizer, host_params, param_sh, critic)
+    state = init_sharded_state(place_params(host_params, param_sh), optimizer, state_sh, critic)
     # Opened to read: a max_to_keep above any run's count, so nothing is ever pruned.
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=1 << 30, async_save=False)
     saved = set(ckpt.all_steps())

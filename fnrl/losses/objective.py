@@ -23,6 +23,7 @@ from fnrl.losses.aggregation import AGGREGATIONS, with_weights
 from fnrl.losses.core import LOSS_TERMS, Batch, LossFn, Metrics, advantages_BxT, needs_of
 from fnrl.losses.correction import correct
 from fnrl.losses.kl import kl_reward_advantages
+from fnrl.losses.value import with_gae
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,8 @@ class Objective:
     aggregation / norm_len: the token weighting (see fnrl.losses.aggregation).
     correction, tis_cap, mask_low, mask_high: train/inference mismatch correction.
     kl_reward_coef, kl_estimator: KL to the reference put in the reward (0 = off).
+    gae: (γ, λ) to take per-token advantages by GAE from the critic's values (the batch's
+        `values_BxT`, set by the train step) instead of the batch's; None = off.
     """
 
     terms: tuple[tuple[str, float, LossFn], ...]
@@ -44,6 +47,7 @@ class Objective:
     mask_high: float = 2.0
     kl_reward_coef: float = 0.0
     kl_estimator: str = "k3"
+    gae: tuple[float, float] | None = None
     prefix_metrics: bool = True
 
     def __post_init__(self):
@@ -58,6 +62,8 @@ class Objective:
         keys = {k for _, _, fn in self.terms for k in needs_of(fn)}
         if self.kl_reward_coef > 0:
             keys.add("ref_logp_BxT")
+        if self.gae is not None:
+            keys.add("values_BxT")
         return frozenset(keys)
 
     def weigh(self, batch: Batch) -> dict:
@@ -65,15 +71,21 @@ class Objective:
         return with_weights(batch, self.aggregation, self.norm_len)
 
     def prepare(self, logp_BxT: jnp.ndarray, batch: Batch) -> tuple[dict, Metrics]:
-        """Per-micro-batch preparation from the model's log-probs: correction, KL reward."""
+        """Per-micro-batch preparation from the model's log-probs (and the critic's values):
+        correction, GAE, KL reward."""
         old = jax.lax.stop_gradient(logp_BxT)
         batch, metrics = correct(old, batch, kind=self.correction, tis_cap=self.tis_cap,
                                  mask_low=self.mask_low, mask_high=self.mask_high)
+        metrics = {f"correction/{k}": v for k, v in metrics.items()}
+        if self.gae is not None:
+            batch, gae_metrics = with_gae(batch, batch["values_BxT"], gamma=self.gae[0],
+                                          lam=self.gae[1])
+            metrics.update({f"gae/{k}": v for k, v in gae_metrics.items()})
         if self.kl_reward_coef > 0:
             batch["adv_BxT"] = kl_reward_advantages(
                 jnp.broadcast_to(advantages_BxT(batch), logp_BxT.shape), old, batch,
                 coef=self.kl_reward_coef, estimator=self.kl_estimator)
-        return batch, {f"correction/{k}": v for k, v in metrics.items()}
+        return batch, metrics
 
     def __call__(self, logp_BxT: jnp.ndarray, batch: Batch) -> tuple[jnp.ndarray, Metrics]:
         """Σ weight·term(logp_BxT, batch), and every term's metrics."""
@@ -130,7 +142,8 @@ def build_objective(algo: Any) -> Objective:
         correction=algo.correction, tis_cap=algo.tis_cap, mask_low=algo.mask_low,
         mask_high=algo.mask_high,
         kl_reward_coef=algo.kl_coef if algo.kl_in == "reward" else 0.0,
-        kl_estimator=algo.kl_estimator)
+        kl_estimator=algo.kl_estimator,
+        gae=(algo.gae_gamma, algo.gae_lambda) if algo.uses_critic else None)
 
 
 def combine(*terms: tuple[str, float, Callable]) -> Objective:

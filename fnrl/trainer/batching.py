@@ -39,8 +39,9 @@ def is_valid(s: Sample) -> bool:
 
 
 def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
-                     ) -> tuple[list[np.ndarray], dict[str, float]]:
-    """Per-sequence advantages by group, after DAPO overlong shaping of the rewards."""
+                     ) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, float]]:
+    """Per-sequence advantages and shaped rewards by group (after DAPO overlong shaping;
+    NaN for an invalid sample), and facts about the rewards."""
     width = max(len(g) for g in groups)
     rewards = np.full((len(groups), width), np.nan, np.float64)  # ragged groups: NaN pad
     lengths = np.zeros_like(rewards)
@@ -60,7 +61,8 @@ def group_advantages(groups: Sequence[Sequence[Sample]], algo: AlgoConfig
             "zero_variance_groups": sum(not informative(g) for g in raw.tolist()),
             "overlong_penalty_mean": float(np.nanmean(rewards - raw))
             if any_valid else 0.0}
-    return [adv[gi, :len(g)] for gi, g in enumerate(groups)], info
+    return ([adv[gi, :len(g)] for gi, g in enumerate(groups)],
+            [rewards[gi, :len(g)] for gi, g in enumerate(groups)], info)
 
 
 def default_buckets(seq_len: int) -> tuple[int, ...]:
@@ -142,10 +144,12 @@ def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer
     seq_len is the longest next-token length the model takes (used when there are no
     length buckets). Invalid samples (`is_valid`) stay in the batch with mask 0.
     """
-    adv_by_group, info = group_advantages(groups, algo)
+    adv_by_group, rewards_by_group, info = group_advantages(groups, algo)
     samples = [s for g in groups for s in g]
     group_of = [gi for gi, g in enumerate(groups) for _ in g]
     adv = np.concatenate(adv_by_group).astype(np.float32)
+    # GAE takes each sequence's reward at its last response token (fnrl.losses.value).
+    rewards = np.concatenate(rewards_by_group) if algo.uses_critic else None
     slots = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
     M = trainer.micro_batches
     micro_of_group = assign_micro_batches([sum(slots[i] for i, g in enumerate(group_of) if g == gi)
@@ -166,14 +170,17 @@ def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer
                              f"{rows} rows of the length buckets "
                              f"{trainer.length_buckets or default_buckets(seq_len)}")
 
-    arrays = _fill(samples, place, adv, rows, length, pad_id, packed=trainer.pack_rows > 0)
+    arrays = _fill(samples, place, adv, rows, length, pad_id, packed=trainer.pack_rows > 0,
+                   rewards=rewards)
     info.update(tokens=int(arrays["mask_BxT"].sum()), length=length, rows=rows,
                 fill=float(sum(slots) / (rows * length)))
     return arrays, info
 
 
-def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[str, np.ndarray]:
-    """Writes each sequence's next-token arrays at its (row, start)."""
+def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool,
+          rewards: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Writes each sequence's next-token arrays at its (row, start); with `rewards`, also
+    `reward_BxT`: each valid sequence's reward at its last response token."""
     input_ = np.full((rows, length), pad_id, np.int32)
     target = np.full((rows, length), pad_id, np.int32)
     mask = np.zeros((rows, length), np.float32)
@@ -183,7 +190,8 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[st
     segment = np.zeros((rows, length), np.int32)
     positions = np.zeros((rows, length), np.int32)
     next_segment = np.ones((rows,), np.int32)
-    for s, (row, start), a in zip(samples, place, adv):
+    reward_BxT = np.zeros((rows, length), np.float32)
+    for i, (s, (row, start), a) in enumerate(zip(samples, place, adv)):
         tokens = np.asarray(tuple(s.prompt_ids) + tuple(s.response_ids), np.int32)
         n, plen = len(tokens) - 1, len(s.prompt_ids)
         span = slice(start, start + n)
@@ -194,6 +202,9 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[st
         if is_valid(s):
             mask[row, response] = 1.0
             behaviour[row, response] = np.asarray(s.logprobs, np.float32)
+            trained = np.flatnonzero(mask[row, response])
+            if rewards is not None and trained.size:   # at the last trained token
+                reward_BxT[row, response.start + trained[-1]] = rewards[i]
         adv_BxT[row, response], adv_B[row] = a, a
         segment[row, span] = next_segment[row]
         positions[row, span] = np.arange(n)
@@ -204,6 +215,8 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool) -> dict[st
         out.update(adv_BxT=adv_BxT, segment_ids_BxT=segment, positions_BxT=positions)
     else:
         out["adv_B"] = adv_B
+    if rewards is not None:
+        out["reward_BxT"] = reward_BxT
     return out
 
 

@@ -87,6 +87,15 @@ def logprobs_from_hidden(h_BxTxE: jnp.ndarray, target_BxT: jnp.ndarray,
     return unchunk(logp_NxBxC), (unchunk(entropy_NxBxC) if with_entropy else None)
 
 
+def _hidden_and_kernel(graphdef: nnx.GraphDef, params: Params, input_BxT, positions_BxT,
+                       segment_ids_BxT):
+    model = nnx.merge(graphdef, params)
+    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT)
+    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _project).
+    kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
+    return h_BxTxE, kernel_VxE
+
+
 def model_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT, target_BxT,
                    positions_BxT=None, segment_ids_BxT=None, *, chunk_tokens: int = 0,
                    with_entropy: bool = False, temperature: float = 1.0
@@ -97,14 +106,38 @@ def model_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT, target_BxT
     chunk_tokens = 0 takes the model's own full logits; > 0 projects its final hidden
     states chunk by chunk (`logprobs_from_hidden`), never holding B×T×V logits.
     """
-    model = nnx.merge(graphdef, params)
     if chunk_tokens <= 0:
+        model = nnx.merge(graphdef, params)
         logits_BxTxV = model(input_BxT, positions_BxT, segment_ids_BxT).astype(jnp.float32)
         return _reduce(logits_BxTxV, target_BxT, with_entropy, temperature)
-    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT)
-    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _project).
-    kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
+    h_BxTxE, kernel_VxE = _hidden_and_kernel(graphdef, params, input_BxT, positions_BxT,
+                                             segment_ids_BxT)
     return logprobs_from_hidden(h_BxTxE, target_BxT, kernel_VxE,
                                 chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                                 temperature=temperature)
 
+
+def value_head_init(hidden_size: int) -> Params:
+    """A value head V(h) = w·h + b, float32, at zero: the critic starts by predicting 0."""
+    return {"kernel_E": jnp.zeros((hidden_size,), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+
+
+def model_logprobs_and_values(graphdef: nnx.GraphDef, params: Params, value_head: Params,
+                              input_BxT, target_BxT, positions_BxT=None, segment_ids_BxT=None, *,
+                              chunk_tokens: int = 0, with_entropy: bool = False,
+                              temperature: float = 1.0, trunk_grad: bool = False
+                              ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray]:
+    """`model_logprobs`, and the value head's V at every position (float32, B×T), from
+    one pass of the trunk. Position t's V is that of the state before target t, as its
+    log-prob is. Without `trunk_grad` the value's gradient stops at the hidden states,
+    so only the head learns from it (fnrl.losses.value)."""
+    h_BxTxE, kernel_VxE = _hidden_and_kernel(graphdef, params, input_BxT, positions_BxT,
+                                             segment_ids_BxT)
+    logp_BxT, entropy_BxT = logprobs_from_hidden(
+        h_BxTxE, target_BxT, kernel_VxE, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+        temperature=temperature)
+    h_value = h_BxTxE if trunk_grad else jax.lax.stop_gradient(h_BxTxE)
+    # In float32 whatever the compute dtype: the head is tiny, its targets are not.
+    values_BxT = jnp.einsum("bte,e->bt", h_value.astype(jnp.float32),
+                            value_head["kernel_E"]) + value_head["bias"]
+    return logp_BxT, entropy_BxT, values_BxT

@@ -38,8 +38,8 @@ from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
 from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
-from fnrl.trainer.step import (compile_train_step, init_sharded_state, make_optimizer,
-                               place_params, state_shardings)
+from fnrl.trainer.step import (compile_train_step, init_sharded_state, initial_critic,
+                               make_optimizer, place_params, state_shardings)
 from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
 
 
@@ -60,7 +60,8 @@ class Trainer:
         param_sh = shardings_for(logical_axes(self.model_cfg), host_params, self.mesh)
         self.optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
         # Sharded init: shardings from shapes alone, then the state is built in place.
-        state_sh = state_shardings(self.optimizer, host_params, param_sh)
+        state_sh = state_shardings(self.optimizer, host_params, param_sh,
+                                   critic=initial_critic(cfg.algo, self.model_cfg.hidden_size))
         self._model_dir, self._param_sh, self._state_sh = model_dir, param_sh, state_sh
         self.state = self._initial_state(host_params)
         # The KL reference is the initial model, frozen: no gradients, so it is held in
@@ -86,14 +87,15 @@ class Trainer:
 
     def _initial_state(self, host_params=None):
         """The state at version 0: the model directory's weights (read again unless
-        given), fresh optimizer state, born sharded."""
+        given), fresh optimizer state and critic (if the algorithm has one), born sharded."""
         if host_params is None:
             tc = self.cfg.trainer
             host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
                                           param_dtype=jnp.dtype(tc.param_dtype),
                                           remat=tc.remat)[2]
         return init_sharded_state(place_params(host_params, self._param_sh), self.optimizer,
-                                  self._state_sh)
+                                  self._state_sh, initial_critic(self.cfg.algo,
+                                                                 self.model_cfg.hidden_size))
 
     @property
     def version(self) -> int:

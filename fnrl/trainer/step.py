@@ -21,9 +21,16 @@ from flax import nnx
 from fnrl.config import AlgoConfig
 from fnrl.losses.correction import mismatch_metrics
 from fnrl.losses.objective import Objective, as_objective, build_objective
-from fnrl.trainer.logprobs import model_logprobs
+from fnrl.trainer.logprobs import model_logprobs, model_logprobs_and_values, value_head_init
 
 Params = Any
+
+
+@flax.struct.dataclass
+class CriticState:
+    """PPO's value head on the policy's trunk (fnrl.losses.value) and its own AdamW."""
+    params: Params
+    opt_state: optax.OptState
 
 
 @flax.struct.dataclass
@@ -31,6 +38,7 @@ class TrainState:
     step: jnp.ndarray          # number of optimizer updates applied = the policy version
     params: Params
     opt_state: optax.OptState
+    critic: CriticState | None = None   # only when the algorithm uses a critic (GAE)
 
 
 def lr_schedule(algo: AlgoConfig, total_steps: int = 0) -> optax.Schedule:
@@ -67,32 +75,53 @@ def make_optimizer(algo: AlgoConfig, total_steps: int = 0) -> optax.GradientTran
     return optax.apply_if_finite(inner, max_consecutive_errors=1_000_000)
 
 
-def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
-    """Step 0: the given params and fresh optimizer moments."""
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+def make_critic_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
+    """The value head's own AdamW at `algo.critic_lr`, clipped like the policy's: a linear
+    head on the trunk wants a far larger rate than the policy (the train step keeps the
+    whole state, critic included, when a step is not finite)."""
+    return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm),
+                       optax.adamw(algo.critic_lr, b1=0.9, b2=0.999, weight_decay=0.0))
+
+
+def initial_critic(algo: AlgoConfig, hidden_size: int) -> CriticState | None:
+    """The critic at version 0 when `algo` uses one (a zero value head), else None."""
+    if not algo.uses_critic:
+        return None
+    params = value_head_init(hidden_size)
+    return CriticState(params=params, opt_state=make_critic_optimizer(algo).init(params))
+
+
+def init_state(params: Params, optimizer: optax.GradientTransformation,
+               critic: CriticState | None = None) -> TrainState:
+    """Step 0: the given params, fresh optimizer moments, and the critic if any."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), critic=critic)
 
 
 def state_shardings(optimizer: optax.GradientTransformation, params: Params,
-                    param_sharding: Any) -> TrainState:
+                    param_sharding: Any, critic: CriticState | None = None) -> TrainState:
     """Shardings of the TrainState `init_state` builds, without allocating it: every
     optimizer leaf shaped like a parameter (Adam's moments) is placed like that
-    parameter, everything else (counters) replicated. `params` may be abstract."""
+    parameter, everything else (counters, the critic's small head) replicated. `params`
+    may be abstract."""
     abstract = jax.eval_shape(functools.partial(init_state, optimizer=optimizer), params)
     mesh = jax.tree.leaves(param_sharding)[0].mesh
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     opt_sharding = optax.tree_map_params(
         optimizer, lambda _, sharding: sharding, abstract.opt_state, param_sharding,
         transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding)
+    critic_sharding = None if critic is None else jax.tree.map(lambda _: replicated, critic)
+    return TrainState(step=replicated, params=param_sharding, opt_state=opt_sharding,
+                      critic=critic_sharding)
 
 
 def init_sharded_state(params: Params, optimizer: optax.GradientTransformation,
-                       sharding: TrainState) -> TrainState:
+                       sharding: TrainState, critic: CriticState | None = None) -> TrainState:
     """`init_state` under jit with `sharding` as out_shardings: the Adam moments are born
     sharded (never whole on one device), and the params are donated, not copied."""
-    init = jax.jit(functools.partial(init_state, optimizer=optimizer), out_shardings=sharding,
+    init = jax.jit(lambda p, c: init_state(p, optimizer, c), out_shardings=sharding,
                    donate_argnums=0)
-    return init(params)
+    return init(params, critic)
 
 
 def place_params(params: dict, sharding: Any, dtype=None) -> dict:
@@ -159,7 +188,9 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
                controls: Mapping[str, Any] | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                loss_fn: Objective | Callable, micro_batches: int = 1,
                micro_sharding: jax.sharding.NamedSharding | None = None,
-               logprob_chunk: int = 0, temperature: float = 1.0) -> tuple[TrainState, dict]:
+               logprob_chunk: int = 0, temperature: float = 1.0,
+               critic_optimizer: optax.GradientTransformation | None = None,
+               value_trunk_grad: bool = False) -> tuple[TrainState, dict]:
     """One policy-gradient update on one batch. Pure: jit it once, with donation.
 
     `loss_fn` is an Objective (fnrl.losses) or a bare term. The batch is split into
@@ -176,8 +207,17 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     metric is within its bounds; a refused update keeps params and optimizer state but
     still advances the step (`gate_refused` = 1): unlike a non-finite step, the version
     is published, so rollouts leave weights that produced bad data.
+
+    An objective that reads `values_BxT` (PPO with GAE, fnrl.losses.value) trains the
+    state's critic too: the value head's V comes from the same trunk pass as the
+    log-probs, its gradient updates the head by `critic_optimizer` (and the trunk when
+    `value_trunk_grad`), and it is kept or refused with the policy's update.
     """
     objective = as_objective(loss_fn)
+    with_values = "values_BxT" in objective.needs
+    if with_values and (state.critic is None or critic_optimizer is None):
+        raise ValueError("the objective uses a critic's values (GAE) but the TrainState has "
+                         "no critic or no critic optimizer was given")
     needs_ref = "ref_logp_BxT" in objective.needs
     if needs_ref and ref_params is None:
         raise ValueError("the objective uses KL to a reference policy but ref_params is None")
@@ -190,19 +230,30 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
                 graphdef, ref_params, *_model_inputs(mb), logprob_chunk=logprob_chunk,
                 temperature=temperature)))
 
-        def loss_of(params):
-            logp_BxT, entropy_BxT = model_logprobs(graphdef, params, *_model_inputs(mb),
-                                                   chunk_tokens=logprob_chunk,
-                                                   with_entropy=with_entropy,
-                                                   temperature=temperature)
-            prepared, prep_metrics = objective.prepare(logp_BxT, mb)
+        def loss_of(trainable):
+            if with_values:
+                params, head = trainable
+                logp_BxT, entropy_BxT, values_BxT = model_logprobs_and_values(
+                    graphdef, params, head, *_model_inputs(mb), chunk_tokens=logprob_chunk,
+                    with_entropy=with_entropy, temperature=temperature,
+                    trunk_grad=value_trunk_grad)
+                inputs = dict(mb, values_BxT=values_BxT)
+            else:
+                logp_BxT, entropy_BxT = model_logprobs(graphdef, trainable, *_model_inputs(mb),
+                                                       chunk_tokens=logprob_chunk,
+                                                       with_entropy=with_entropy,
+                                                       temperature=temperature)
+                inputs = mb
+            prepared, prep_metrics = objective.prepare(logp_BxT, inputs)
             if with_entropy:
                 prepared["entropy_BxT"] = entropy_BxT
             loss, metrics = objective(logp_BxT, prepared)
             return loss, ({**metrics, **prep_metrics}, jax.lax.stop_gradient(logp_BxT))
 
-        (loss, (metrics, logp_BxT)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        (loss, (metrics, logp_BxT)), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
         return grads, dict(metrics, loss=loss), logp_BxT
+
+    trainable = (state.params, state.critic.params) if with_values else state.params
 
     if micro_batches == 1:
         grads, metrics, logp_BxT = micro_step(batch)
@@ -215,7 +266,7 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
             grads, metrics, logp_BxT = micro_step(mb)
             return jax.tree.map(jnp.add, grads_acc, grads), (metrics, logp_BxT)
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
         grads, (metrics_M, logp_MxBxT) = jax.lax.scan(accumulate, zeros, stacked)
         tokens_M = jnp.sum(stacked["mask_BxT"], axis=(1, 2))
         share_M = tokens_M / jnp.maximum(jnp.sum(tokens_M), 1.0)
@@ -224,28 +275,44 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
         logp_BxT = _merge_micro_batches(logp_MxBxT)
 
     loss = metrics["loss"]
+    grads, critic_grads = grads if with_values else (grads, None)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    if with_values:
+        critic_updates, critic_opt = critic_optimizer.update(
+            critic_grads, state.critic.opt_state, state.critic.params)
     # Telemetry on the whole batch: trainer π (before the update) against vLLM's μ.
     metrics = dict(metrics, **mismatch_metrics(logp_BxT, batch), grad_norm=optax.tree.norm(grads))
+    if with_values:
+        metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
     gate_ok = jnp.bool_(True)
     if controls is not None:
         # Scaling AdamW's update scales its learning rate (weight decay included); the
-        # moments are those of the unscaled run, as with a schedule.
-        updates = jax.tree.map(lambda u: u * controls["lr_scale"].astype(u.dtype), updates)
+        # moments are those of the unscaled run, as with a schedule. The critic's too.
+        scale = lambda tree: jax.tree.map(  # noqa: E731
+            lambda u: u * controls["lr_scale"].astype(u.dtype), tree)
+        updates = scale(updates)
+        if with_values:
+            critic_updates = scale(critic_updates)
         gate_ok = _within_bounds(metrics, controls)
         metrics["update_ratio"] = optax.tree.norm(updates) / jnp.maximum(
             optax.tree.norm(state.params), 1e-12)
         metrics["gate_refused"] = 1.0 - gate_ok.astype(jnp.float32)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array(
-        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves((grads, critic_grads))]))
     # A skipped step keeps the whole state bit for bit. apply_if_finite alone would not:
     # it looks at the gradients only (not the loss) and counts the failure in its state.
     keep = functools.partial(jnp.where, finite & gate_ok)   # keep(new, old)
+    critic = state.critic
+    if with_values:
+        critic = CriticState(
+            params=jax.tree.map(keep, optax.apply_updates(critic.params, critic_updates),
+                                critic.params),
+            opt_state=jax.tree.map(keep, critic_opt, critic.opt_state))
     new_state = dataclasses.replace(
         state, step=state.step + finite.astype(jnp.int32),
         params=jax.tree.map(keep, params, state.params),
-        opt_state=jax.tree.map(keep, opt_state, state.opt_state))
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state), critic=critic)
     metrics["update_skipped"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
 
@@ -286,9 +353,13 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
     if micro_batches > 1 and isinstance(batch_sharding, jax.sharding.NamedSharding):
         micro_sharding = jax.sharding.NamedSharding(
             batch_sharding.mesh, jax.sharding.PartitionSpec(None, *batch_sharding.spec))
+    critic_optimizer = (make_critic_optimizer(algo) if "values_BxT" in objective.needs
+                        else None)
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=objective,
                              micro_batches=micro_batches, micro_sharding=micro_sharding,
-                             logprob_chunk=logprob_chunk, temperature=algo.temperature)
+                             logprob_chunk=logprob_chunk, temperature=algo.temperature,
+                             critic_optimizer=critic_optimizer,
+                             value_trunk_grad=algo.value_trunk_grad)
     replicated = (jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
                   if isinstance(batch_sharding, jax.sharding.NamedSharding) else None)
     jitted = jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding, replicated),

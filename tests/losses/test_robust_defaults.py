@@ -17,7 +17,7 @@ from fnrl.losses import build_objective
 from fnrl.losses.objective import bind_term
 from fnrl.losses.policy import ppo_clip_loss
 
-RATIO_TERMS = [t for t in LOSS_TERM_NAMES if t not in ("kl", "entropy")]
+RATIO_TERMS = [t for t in LOSS_TERM_NAMES if t not in ("kl", "entropy", "value")]
 
 
 def _stale(log_ratio, adv=-1.0):
