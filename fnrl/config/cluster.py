@@ -46,6 +46,20 @@ class ClusterConfig:
     """Require the API key on loopback too (a host shared with other users, who can reach
     127.0.0.1 and vLLM's /collective_rpc on it)."""
 
+    backend: str = "local"
+    """Where roles run: "local" (child processes of the controller on this host; needs no
+    Ray) or "ray" (an existing Ray cluster places them on its nodes: fnrl.control.ray_cluster,
+    docs/multinode.md)."""
+    ray_address: str = ""
+    """The Ray cluster to join ("": the RAY_ADDRESS variable, else "auto")."""
+    trainer_node: str = ""
+    """The Ray node the trainer runs on, by its `node_label` value ("": the first node)."""
+    node_label: str = "fnrl-node"
+    """The Ray node label that names a node (`ray start --labels fnrl-node=a`); a node
+    without it is named by the first 8 characters of its node id."""
+
     def __post_init__(self):
         check(is_host(self.bind_host), "ClusterConfig", "bind_host", self.bind_host,
               "must be an IP address or a host name")
+        check(self.backend in ("local", "ray"), "ClusterConfig", "backend", self.backend,
+              "must be 'local' or 'ray'")

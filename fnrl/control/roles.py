@@ -70,18 +70,53 @@ SAMPLE_S = 1.0
 """How often each live role's OOM evidence is refreshed (peak RSS, OOM-kill counts)."""
 
 
-def _spawn(name: str, argv: list[str], log_path: Path, address: str,
-           death_signal: int = signal.SIGKILL) -> RoleProcess:
-    proc = procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                       death_signal=death_signal)
-    return RoleProcess(name, proc, log_path, address)
+class LocalLauncher:
+    """Starts every role as a child process of the controller, on this host (the
+    `local` backend). fnrl.control.ray_cluster.RayLauncher places them on Ray nodes
+    behind the same methods."""
+
+    home_relays = None   # rollout i pulls from relay i % n (fnrl.relay.tier)
+
+    def relay_count(self, configured: int) -> int:
+        """How many relays the job starts: `relay.num_relays` on one host."""
+        return configured
+
+    def node_of(self, role: str) -> str:
+        return "local"
+
+    def node_id_of(self, role: str) -> str:
+        return "local"
+
+    def address(self, role: str) -> str:
+        """A ZeroMQ address for a trainer or relay: loopback, a free port."""
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    def place_server(self, role: str, spec: ServerSpec) -> ServerSpec:
+        return spec
+
+    def spawn(self, role: str, argv: list[str], log_path: Path, *,
+              death_signal: int = signal.SIGKILL, relay: bool = False):
+        return procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                           death_signal=death_signal)
+
+    def launch_server(self, role: str, spec: ServerSpec, log_path: Path):
+        return launch_server(spec, log_path)
+
+    def remove_segments(self, relay: str, proc) -> None:
+        if not procs.alive(proc.pid):
+            remove_segments(relay, proc.pid)
+
+    def close(self) -> None:
+        pass
 
 
 class Cluster:
-    """The relay, the trainer and the vLLM servers of one run, on this host."""
+    """The relay, the trainer and the vLLM servers of one run: on this host, or on the
+    nodes a launcher places them on (`launcher`, default `LocalLauncher`)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, launcher=None):
         self.run_dir = run_dir
+        self.launcher = launcher or LocalLauncher()
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # A previous controller of this run that was SIGKILLed may have left some (a vLLM
         # engine process outlives its server when only the server had PDEATHSIG).
@@ -89,13 +124,14 @@ class Cluster:
         # What those left in shared memory (a relay stopped, or killed before it could
         # unlink its segments).
         for name, info in read_roles(run_dir / "roles.json").items():
-            if name.startswith("relay") and not procs.alive(int(info["pid"])):
+            if (name.startswith("relay") and info.get("node", "local") == "local"
+                    and not procs.alive(int(info["pid"]))):
                 remove_segments(name, int(info["pid"]))
         # A fresh run secret per attempt, inherited by every role spawned from now on: a
         # message of an earlier attempt or another run fails its check (fnrl.shell.auth).
         auth.start_run()
         self.roles: list[RoleProcess] = []
-        self._relays_started: list[tuple[str, int]] = []   # (name, pid): segment owners
+        self._relays_started: list[tuple[str, object]] = []   # (name, proc): segment owners
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None
         self._server_specs: dict[int, ServerSpec] = {}
@@ -123,17 +159,24 @@ class Cluster:
         roles.json (for operators and tests)."""
         self.roles = [r for r in self.roles if r.name != role.name] + [role]
         write_atomic(self.run_dir / "roles.json", json.dumps(
-            {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path)}
+            {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path),
+                      "node": self.launcher.node_of(r.name),
+                      "node_id": self.launcher.node_id_of(r.name)}
              for r in self.roles}, indent=2))
         return role
 
+    def _spawn(self, name: str, argv: list[str], address: str, **kw) -> RoleProcess:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        return RoleProcess(name, self.launcher.spawn(name, argv, log_path, **kw), log_path,
+                           address)
+
     def start_relay(self, name: str = "relay0", cfg: RelayConfig | None = None) -> RoleProcess:
-        address = f"tcp://127.0.0.1:{free_port()}"
+        address = self.launcher.address(name)
         # SIGTERM when the controller dies, even by SIGKILL: the relay unlinks its
         # shared-memory segments on the way out.
-        role = _spawn(name, relay_argv(address, name, cfg),
-                      self.run_dir / "logs" / f"{name}.log", address, death_signal=signal.SIGTERM)
-        self._relays_started.append((name, role.proc.pid))
+        role = self._spawn(name, relay_argv(address, name, cfg), address,
+                           death_signal=signal.SIGTERM, relay=True)
+        self._relays_started.append((name, role.proc))
         return self._add(role)
 
     def start_relays(self, cfg: RelayConfig, timeout_s: float = 60.0) -> RelayTier:
@@ -149,7 +192,7 @@ class Cluster:
                 raise RoleError(f"{err}{log_tail(str(role.log_path))}") from err
             members.append(RelayMember(name=role.name, address=role.address,
                                        ucx_address=ping["ucx_address"], proc=role.proc))
-        self.relay_tier = RelayTier(members, cfg)
+        self.relay_tier = RelayTier(members, cfg, homes=self.launcher.home_relays)
         self.relay_tier.configure()
         self.relay_tier.start_monitor()
         return self.relay_tier
@@ -237,25 +280,26 @@ class Cluster:
     def start_trainer(self, config_path: Path, model_dir: Path, relay: str, *,
                       name: str = "trainer") -> RoleProcess:
         self._trainer_argv = (config_path, model_dir, relay)
-        address = f"tcp://127.0.0.1:{free_port()}"
-        role = _spawn(name, [sys.executable, "-m", "fnrl.trainer.role", "--config",
+        address = self.launcher.address(name)
+        role = self._spawn(name, [sys.executable, "-m", "fnrl.trainer.role", "--config",
                                   str(config_path), "--model-dir", str(model_dir), "--run-dir",
                                   str(self.run_dir), "--address", address, "--relay", relay],
-                      self.run_dir / "logs" / f"{name}.log", address)
+                           address)
         return self._add(role)
+
+    def _start_server(self, name: str, spec: ServerSpec) -> RoleProcess:
+        spec = self.launcher.place_server(name, spec)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        return self._add(RoleProcess(name, self.launcher.launch_server(name, spec, log_path),
+                                     log_path, spec.base_url))
 
     def start_server(self, rid: int, spec: ServerSpec) -> RoleProcess:
         self._server_specs[rid] = spec
-        log_path = self.run_dir / "logs" / f"rollout{rid}.log"
-        proc = launch_server(spec, log_path)
-        role = RoleProcess(f"rollout{rid}", proc, log_path, spec.base_url)
-        return self._add(role)
+        return self._start_server(f"rollout{rid}", spec)
 
     def start_eval_server(self, spec: ServerSpec) -> RoleProcess:
         """The dedicated evaluation server (fnrl.control.eval_lane), named "eval"."""
-        log_path = self.run_dir / "logs" / f"{EVAL_SERVER}.log"
-        return self._add(RoleProcess(EVAL_SERVER, launch_server(spec, log_path), log_path,
-                                     spec.base_url))
+        return self._start_server(EVAL_SERVER, spec)
 
     def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:
         try:
@@ -304,9 +348,8 @@ class Cluster:
         self.roles.clear()
         # A relay SIGKILLed after the grace period (or stopped before the tier existed)
         # could not unlink its segments.
-        for name, pid in self._relays_started:
-            if not procs.alive(pid):
-                remove_segments(name, pid)
+        for name, proc in self._relays_started:
+            self.launcher.remove_segments(name, proc)
 
 
 def read_roles(path: Path) -> dict:

@@ -46,7 +46,7 @@ from fnrl.control.loop import Controller
 from fnrl.control.memory import check_plan, plan_memory
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.report import across_attempts
-from fnrl.control.roles import Cluster, Stopped
+from fnrl.control.roles import Cluster, LocalLauncher, Stopped
 from fnrl.control.supervisor import JobRestart
 from fnrl.data.dataset import load_task
 from fnrl.data.reward import make_reward
@@ -240,7 +240,8 @@ def run(cfg: RunConfig) -> dict:
 
 def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> dict:
     """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
-    cluster = Cluster(run_dir)
+    launcher = make_launcher(cfg)
+    cluster = Cluster(run_dir, launcher)
     # SIGINT, SIGTERM, SIGHUP: every role stops at once, then Stopped unwinds the job.
     restore_signals = cluster.stop_on_signals()
     try:
@@ -258,12 +259,23 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
                 specs[0], port=free_port(), max_num_seqs=cfg.eval.max_num_seqs,
                 kv_memory_fraction=0.0, seed=cfg.seed))
         # Relays come up while the servers load; the trainer publishes to them.
-        tier = cluster.start_relays(cfg.relay)
+        tier = cluster.start_relays(dataclasses.replace(
+            cfg.relay, num_relays=launcher.relay_count(cfg.relay.num_relays)))
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
         return asyncio.run(_attempt(cfg, run_dir, cluster, task))
     finally:
         cluster.stop()
+        launcher.close()
         restore_signals()
+
+
+def make_launcher(cfg: RunConfig):
+    """Where the roles run (`cluster.backend`): child processes here, or Ray's nodes."""
+    if cfg.cluster.backend == "local":
+        return LocalLauncher()
+    from fnrl.control.ray_cluster import RayLauncher   # Ray is imported only when used
+    return RayLauncher(cfg.cluster, cfg.rollout.num_servers,
+                       with_eval=cfg.eval.server == "dedicated")
 
 
 def _flag_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:

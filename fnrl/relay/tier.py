@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from fnrl.relay import chain as chain_policy
@@ -23,6 +24,7 @@ from fnrl.relay.client import RelayClient, RelayError
 from fnrl.config import RelayConfig
 from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
 from fnrl.shell import procs
+from fnrl.shell.hosted import HostedProcess
 from fnrl.shell.net import free_port
 
 log = logging.getLogger("fnrl.relay")
@@ -77,8 +79,13 @@ def process_state(pid: int) -> str | None:
 class RelayTier:
     """The relays of one job and their broadcast chain."""
 
-    def __init__(self, members: list[RelayMember], cfg: RelayConfig):
+    def __init__(self, members: list[RelayMember], cfg: RelayConfig,
+                 homes: Mapping[int, int] | None = None):
+        """`homes`: rollout index -> index (launch order) of the relay it pulls from, the
+        one on its node (fnrl.policy.placement), read live (a rollout moved to another
+        node pulls from that node's relay); None: relay `index % n`."""
         self.cfg = cfg
+        self.homes = homes
         self.members = {m.name: m for m in members}
         self.removed: list[str] = []
         self.plan = chain_policy.ChainPlan(
@@ -147,7 +154,8 @@ class RelayTier:
         to different neighbours)."""
         plan = self.plan  # replaced whole by the monitor thread: read it once
         launched = list(self.members)
-        home = launched[index % len(launched)]
+        home = launched[self.homes[index] if self.homes and index in self.homes
+                        else index % len(launched)]
         if home in plan.order:
             return self.members[home].address
         if not plan.order:
@@ -257,8 +265,11 @@ class RelayTier:
             if member.proc.poll() is None:
                 # A SIGSTOPped relay would hold SIGTERM pending until SIGKILL, and its
                 # SIGTERM handler is what unlinks its segments cleanly.
-                try:
-                    os.kill(member.proc.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+                if isinstance(member.proc, HostedProcess):   # on another node
+                    member.proc.send_signal(signal.SIGCONT)
+                else:
+                    try:
+                        os.kill(member.proc.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
             stop_relay(member.proc, member.name, grace_s)

@@ -29,6 +29,7 @@ from typing import Iterable, Mapping, Sequence
 
 from fnrl.shell import auth
 from fnrl.shell.exits import ExitWatch
+from fnrl.shell.hosted import HostedProcess
 
 _OURS = (b"fnrl", b"vllm", b"VLLM")
 _PR_SET_PDEATHSIG = 1
@@ -68,6 +69,8 @@ def sample(proc: subprocess.Popen) -> None:
     """Refreshes what is known of a live spawned process: its OOM evidence (peak RSS,
     the kernel's OOM-kill counts: a kill counted after this is its own) and the
     semaphores its group maps (unlinked when the group is killed or stopped)."""
+    if isinstance(proc, HostedProcess):   # its node's host samples it there
+        return proc.host.sample(proc.pid)
     watch = getattr(proc, "fnrl_watch", None)
     if watch is not None and proc.poll() is None:
         watch.sample()
@@ -89,6 +92,8 @@ def exit_reason(proc: subprocess.Popen) -> str:
     code = proc.poll()
     if code is None:
         return "is still running"
+    if isinstance(proc, HostedProcess):
+        return f"{proc.host.exit_reason(proc.pid)} on node {proc.node}"
     watch = getattr(proc, "fnrl_watch", None)
     if watch is None:
         return f"exited with code {code}"
@@ -104,6 +109,8 @@ def _sent(proc: subprocess.Popen, sig: int) -> None:
 def signal_group(proc: subprocess.Popen, sig: int) -> bool:
     """Sends `sig` to the process group `proc` leads; False if the group is gone. A
     SIGKILL also unlinks the group's multiprocessing semaphores (the module docstring)."""
+    if isinstance(proc, HostedProcess):
+        return proc.host.signal_group(proc.pid, sig)
     _sent(proc, sig)
     mapped = group_semaphores(proc.pid) if sig == signal.SIGKILL else []
     try:
@@ -179,6 +186,15 @@ def stop_all(procs: Iterable[subprocess.Popen], grace_s: float | Sequence[float]
     period for all or one per process."""
     procs = list(procs)
     graces = [grace_s] * len(procs) if isinstance(grace_s, (int, float)) else list(grace_s)
+    hosted = [(p, g) for p, g in zip(procs, graces) if isinstance(p, HostedProcess)]
+    if hosted:   # each node's host stops its own, as below, then the local ones
+        for host in {id(p.host): p.host for p, _ in hosted}.values():
+            mine = [(p, g) for p, g in hosted if p.host is host]
+            host.stop_all([p.pid for p, _ in mine], [g for _, g in mine])
+        for proc, _ in hosted:
+            proc.poll()
+        local = [(p, g) for p, g in zip(procs, graces) if not isinstance(p, HostedProcess)]
+        procs, graces = [p for p, _ in local], [g for _, g in local]
     for proc in procs:
         if group:
             signal_group(proc, signal.SIGTERM)
@@ -240,6 +256,8 @@ def reap_leftovers(roles_json: Path) -> int:
         return 0
     killed = 0
     for info in roles.values():
+        if info.get("node", "local") != "local":
+            continue   # on another node: its host actor's end took it (fnrl.control.ray_cluster)
         for pid in _group_members(int(info["pid"])):
             if pid == os.getpid():
                 continue

@@ -1,0 +1,294 @@
+"""The Ray backend: the job's roles placed on the nodes of a Ray cluster
+(`--cluster.backend ray`).
+
+Ray starts, places and watches; fnrl's roles stay its own processes. On every node the
+job uses, one `NodeHost` actor (pinned to that node, no CPU reserved) starts the role
+processes there with fnrl.shell.procs, exactly as the local backend does on one host:
+each role in its own session, killed with the host that started it (PR_SET_PDEATHSIG),
+so a crashed or removed host leaves nothing behind, and a crashed server or relay never
+takes another role down. The controller holds `HostedProcess` handles and reaches the
+roles by address, as it does locally: ZeroMQ for the trainer and relays, HTTP for vLLM.
+
+Placement is the pure `fnrl.policy.placement.place_roles` over the cluster's alive
+nodes, named by the `cluster.node_label` label (`ray start --labels fnrl-node=a`): the
+trainer on its node, rollouts on the others, one relay per node used, each rollout
+pulling from its own node's relay. Roles bind the node's address as Ray reports it
+(127.0.0.1 in a one-machine test cluster), so a cluster that spans machines binds real
+interfaces, with the run's secret and API key required there (fnrl.shell.auth,
+fnrl.serving.http_auth). The run directory must be on a file system every node sees
+(logs, checkpoints, the batch log); docs/multinode.md says how.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+from pathlib import Path
+from typing import Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from fnrl.config import ClusterConfig
+from fnrl.policy.placement import Placement, place_roles
+from fnrl.relay.launch import remove_segments
+from fnrl.serving.server import ServerSpec, launch_server
+from fnrl.shell import auth, procs
+from fnrl.shell.hosted import HostedProcess
+from fnrl.shell.net import free_port
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class NodeHost:
+    """On one node: starts role processes there and answers for them by pid."""
+
+    def __init__(self, node: str):
+        self.node = node
+        self._procs: dict[int, object] = {}
+        self._relays: dict[int, str] = {}
+        # PR_SET_PDEATHSIG fires when the *thread* that forked a child ends: every spawn
+        # runs on this one thread, which lives as long as the actor.
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spawn")
+
+    def ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def node_id(self) -> str:
+        """The Ray node this host (and every process it starts) runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def spawn(self, argv: list[str], log_path: str, extra_env: dict, death_signal: int,
+              relay: str | None = None) -> int:
+        """Starts `argv` in this node's environment plus `extra_env` (the run's secret:
+        the controller's variables are its host's, not this node's)."""
+        env = dict(os.environ, **extra_env)
+        proc = self._spawner.submit(procs.spawn, argv, log_path, env=env,
+                                    death_signal=death_signal).result()
+        self._procs[proc.pid] = proc
+        if relay is not None:
+            self._relays[proc.pid] = relay
+        return proc.pid
+
+    def launch_server(self, spec: ServerSpec, log_path: str, secret: str) -> int:
+        """fnrl.serving.server.launch_server on this node (its memory check included),
+        under the run's `secret` (the server's environment is built from this one's)."""
+        os.environ[auth.ENV_VAR] = secret
+        proc = self._spawner.submit(launch_server, spec, log_path).result()
+        self._procs[proc.pid] = proc
+        return proc.pid
+
+    def poll(self, pid: int) -> int | None:
+        return self._procs[pid].poll()
+
+    def signal_group(self, pid: int, sig: int) -> bool:
+        return procs.signal_group(self._procs[pid], sig)
+
+    def stop_all(self, pids: Sequence[int], graces: Sequence[float]) -> None:
+        procs.stop_all([self._procs[p] for p in pids], list(graces))
+        for pid in pids:
+            self.remove_segments(pid)
+
+    def exit_reason(self, pid: int) -> str:
+        return procs.exit_reason(self._procs[pid])
+
+    def sample(self, pid: int) -> None:
+        procs.sample(self._procs[pid])
+
+    def remove_segments(self, pid: int) -> int:
+        """A dead relay's shared-memory segments on this node (0 for other roles)."""
+        name = self._relays.get(pid)
+        if name is None or self._procs[pid].poll() is None:
+            return 0
+        return remove_segments(name, pid)
+
+    def stop_everything(self, grace_s: float) -> None:
+        """Stops every process this host started that still runs (the job's last word)."""
+        live = [p for p in self._procs.values() if p.poll() is None]
+        procs.stop_all(live, grace_s)
+        for pid in list(self._relays):
+            self.remove_segments(pid)
+
+
+class _Host:
+    """The controller's blocking view of one NodeHost (fnrl.shell.hosted.ProcessHost).
+    Once a call finds the actor dead, the host is `dead`: its node is lost, and the
+    processes it started went with it (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, actor, node: str, timeout_s: float):
+        self.actor, self.node, self.timeout_s = actor, node, timeout_s
+        self.dead = False
+
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        ref = getattr(self.actor, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=timeout_s or self.timeout_s)
+        except ray.exceptions.RayActorError:
+            self.dead = True
+            raise
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        if not self.dead:
+            try:
+                self.call("node_id", timeout_s=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.dead = True
+        return not self.dead
+
+    def poll(self, pid: int) -> int | None:
+        try:
+            return self.call("poll", pid)
+        except ray.exceptions.RayActorError:
+            return -signal.SIGKILL
+
+    def signal_group(self, pid: int, sig: int) -> bool:
+        try:
+            return self.call("signal_group", pid, sig)
+        except ray.exceptions.RayActorError:
+            return False
+
+    def stop_all(self, pids: Sequence[int], graces: Sequence[float]) -> None:
+        try:
+            self.call("stop_all", list(pids), list(graces), timeout_s=2 * max(graces) + 30)
+        except ray.exceptions.RayActorError:
+            pass
+
+    def exit_reason(self, pid: int) -> str:
+        try:
+            return self.call("exit_reason", pid)
+        except ray.exceptions.RayActorError:
+            return "was lost with its node (the node's Ray host actor died)"
+
+    def sample(self, pid: int) -> None:
+        try:
+            self.call("sample", pid)
+        except ray.exceptions.RayActorError:
+            pass
+
+
+def _base(role: str) -> str:
+    """A role's place in the plan: a standby trainer goes where the trainer goes."""
+    return "trainer" if role.startswith("trainer") else role
+
+
+def cluster_nodes(label: str) -> dict[str, str]:
+    """{node name: Ray node id} of the alive nodes, named by `label` (else the id's
+    first 8 characters), in the order Ray lists them."""
+    out = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        out[(node.get("Labels") or {}).get(label) or node_id[:8]] = node_id
+    return out
+
+
+class RayLauncher:
+    """Places and starts the roles of one job on a Ray cluster (the `ray` backend).
+    The same methods as fnrl.control.roles.LocalLauncher."""
+
+    def __init__(self, cfg: ClusterConfig, num_rollouts: int, *, with_eval: bool,
+                 call_timeout_s: float = 120.0):
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+        ray.init(address=address, namespace=f"fnrl-{os.getpid()}", log_to_driver=False,
+                 configure_logging=False)
+        nodes = cluster_nodes(cfg.node_label)
+        self.placement: Placement = place_roles(tuple(nodes), num_rollouts,
+                                                trainer_node=cfg.trainer_node,
+                                                with_eval=with_eval)
+        used = dict.fromkeys((self.placement.trainer, *self.placement.rollouts,
+                              *((self.placement.eval,) if self.placement.eval else ())))
+        self._actors = {
+            name: NodeHost.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                nodes[name], soft=False), name=f"fnrl-host-{name}").remote(name)
+            for name in used}
+        self.hosts = {name: _Host(a, name, call_timeout_s) for name, a in self._actors.items()}
+        self.ips = {name: host.call("ip") for name, host in self.hosts.items()}
+        self.node_ids = {name: host.call("node_id") for name, host in self.hosts.items()}
+        misplaced = {n: i for n, i in self.node_ids.items() if i != nodes[n]}
+        if misplaced:   # NodeAffinity with soft=False should make this impossible
+            raise RuntimeError(f"node hosts started on the wrong Ray nodes: {misplaced}")
+        self.home_relays = {rid: self.placement.home_relay(rid)
+                            for rid in range(num_rollouts)}
+        self._moved: dict[str, str] = {}       # role -> node, after its node was lost
+        self._started: set[str] = set()
+
+    def node_of(self, role: str) -> str:
+        return self._moved.get(_base(role)) or self.placement.node_of(role)
+
+    def node_id_of(self, role: str) -> str:
+        """The Ray node id the role's host reported (recorded in roles.json)."""
+        return self.node_ids[self.node_of(role)]
+
+    def relay_count(self, configured: int) -> int:
+        """One relay per node the job uses, whatever `relay.num_relays` says."""
+        return len(self.placement.relays)
+
+    def _host(self, role: str) -> _Host:
+        """The host that starts `role`: its planned node's, or, once that node is lost,
+        a survivor's (the role moves for good; roles.json records where)."""
+        node = self.node_of(role)
+        if self.hosts[node].alive():
+            return self.hosts[node]
+        survivors = [n for n, h in self.hosts.items() if not h.dead and h.alive()]
+        if not survivors:
+            raise RuntimeError(f"{role}: every node of the job is lost")
+        # Generation roles prefer nodes other than the trainer's, the least loaded first.
+        load = {n: sum(self.node_of(r) == n for r in self._started) for n in survivors}
+        away = [n for n in survivors if n != self.node_of("trainer")] or survivors
+        new = min(away if not role.startswith("trainer") else survivors,
+                  key=lambda n: (load[n], survivors.index(n)))
+        self._moved[_base(role)] = new
+        if role.startswith("rollout") and new in self.placement.relays:
+            # Pull from the relay beside it now (fnrl.relay.tier reads this mapping live).
+            self.home_relays[int(role[len("rollout"):])] = self.placement.relays.index(new)
+        return self.hosts[new]
+
+    def address(self, role: str) -> str:
+        host = self._host(role)
+        return f"tcp://{self.ips[host.node]}:{host.call('free_port')}"
+
+    def place_server(self, role: str, spec: ServerSpec) -> ServerSpec:
+        host = self._host(role)   # moves the role first if its node is lost
+        return dataclasses.replace(spec, host=self.ips[host.node], port=host.call("free_port"))
+
+    def spawn(self, role: str, argv: list[str], log_path: Path, *,
+              death_signal: int = signal.SIGKILL, relay: bool = False) -> HostedProcess:
+        host = self._host(role)
+        extra = {"PYTHONUNBUFFERED": "1", auth.ENV_VAR: auth.with_secret(None)[auth.ENV_VAR]}
+        pid = host.call("spawn", argv, str(log_path), extra, int(death_signal),
+                        role if relay else None)
+        self._started.add(role)
+        return HostedProcess(host, pid, log_path, host.node)
+
+    def launch_server(self, role: str, spec: ServerSpec, log_path: Path) -> HostedProcess:
+        host = self._host(role)
+        secret = auth.with_secret(None)[auth.ENV_VAR]
+        self._started.add(role)
+        return HostedProcess(host, host.call("launch_server", spec, str(log_path), secret),
+                             log_path, host.node)
+
+    def remove_segments(self, relay: str, proc) -> None:
+        if not proc.host.dead:   # a lost node's segments went with it
+            try:
+                proc.host.call("remove_segments", proc.pid)
+            except ray.exceptions.RayActorError:
+                pass
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stops what the hosts still run, removes the hosts, leaves the cluster (which
+        keeps running: it is not the job's)."""
+        for host in self.hosts.values():
+            if host.dead:
+                continue
+            try:
+                host.call("stop_everything", grace_s, timeout_s=3 * grace_s + 30)
+            except ray.exceptions.RayError:
+                pass
+        for actor in self._actors.values():
+            ray.kill(actor)
+        ray.shutdown()

@@ -1,0 +1,124 @@
+"""The main job on a Ray cluster of several logical nodes on this machine, confined to
+loopback: how the Ray backend is tried on a laptop and tested in CI.
+
+    python -m fnrl.experiments.ray_local --nodes a,b,c -- --steps 5 --rollout.num-servers 2
+
+Each node is a raylet of Ray's own test cluster (`ray.cluster_utils.Cluster`), labelled
+`fnrl-node=<name>`; the job runs with `--cluster.backend ray` against it, so the trainer,
+the rollouts and one relay per node are placed and started by Ray exactly as on a real
+cluster (fnrl.control.ray_cluster). The whole thing runs in a network namespace of its
+own with only loopback up (fnrl.shell.netns): Ray listens on every interface and probes
+an outside address for the host's, and here neither reaches past 127.0.0.1. At the end
+the cluster's processes are stopped by their handles and its temporary directory is
+removed; Ctrl-C and SIGTERM do the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fnrl.shell.netns import enter_loopback_namespace
+
+NODE_LABEL = "fnrl-node"
+OBJECT_STORE_BYTES = 80 << 20   # the job moves no data through Ray: its minimum
+
+
+def start_cluster(nodes: list[str], temp_dir: str):
+    """A Ray test cluster with one raylet per name, all on 127.0.0.1 (head: the first),
+    and the workers' node handles by name."""
+    from ray.cluster_utils import Cluster
+
+    common = dict(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES,
+                  node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        common, labels={NODE_LABEL: nodes[0]}, include_dashboard=False, temp_dir=temp_dir))
+    try:
+        workers = {name: cluster.add_node(**common, labels={NODE_LABEL: name})
+                   for name in nodes[1:]}
+        cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster, workers
+
+
+def trained_steps(run_dir: Path) -> int:
+    """The newest train step in the run's metrics (0 before the first)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue   # the line being written
+        if record.get("kind") == "train":
+            steps.append(int(record["step"]))
+    return max(steps)
+
+
+def lose_node_after(cluster, node, run_dir: Path, step: int, done: threading.Event) -> None:
+    """Removes `node`'s raylet (its workers, its node host and every role that host
+    started die with it) once the run has trained `step` steps: a lost machine."""
+    while not done.wait(0.5):
+        if trained_steps(run_dir) >= step:
+            print(f"ray_local: losing a node after step {step}", flush=True)
+            cluster.remove_node(node, allow_graceful=False)
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="a,b,c", help="node names, the trainer's first")
+    parser.add_argument("--lose-node", default="", metavar="NAME",
+                        help="a fault: remove this node (not the head) mid-run")
+    parser.add_argument("--lose-after-step", type=int, default=2, metavar="K",
+                        help="remove --lose-node once K steps are trained")
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    nodes = [n for n in args.nodes.split(",") if n]
+    if len(set(nodes)) != len(nodes) or not nodes:
+        parser.error(f"--nodes {args.nodes!r}: distinct names, at least one")
+    if args.lose_node and args.lose_node not in nodes[1:]:
+        parser.error(f"--lose-node {args.lose_node!r}: must be one of {nodes[1:]} (not the "
+                     f"head, {nodes[0]!r}, which holds the cluster's control store)")
+    if args.lose_node and "--run-dir" not in job_args:
+        parser.error("--lose-node needs the job's --run-dir (to see its steps)")
+    enter_loopback_namespace()   # first: no thread may run yet
+    # A SIGTERM unwinds like Ctrl-C, through the finally below.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    temp_dir = tempfile.mkdtemp(prefix="fnrl-ray-")   # short: Ray's socket paths live here
+    print(f"ray_local: nodes {nodes} on 127.0.0.1, Ray's files in {temp_dir}", flush=True)
+    cluster, done = None, threading.Event()
+    try:
+        cluster, workers = start_cluster(nodes, temp_dir)
+        print(f"ray_local: cluster up at epoch {time.time():.3f}", flush=True)
+        if args.lose_node:
+            node = workers[args.lose_node]
+            run_dir = Path(job_args[job_args.index("--run-dir") + 1])
+            threading.Thread(target=lose_node_after, daemon=True,
+                             args=(cluster, node, run_dir, args.lose_after_step, done)).start()
+        from fnrl.experiments.math_grpo import main as job_main
+        return job_main([*job_args, "--cluster.backend", "ray", "--cluster.ray-address",
+                         cluster.address, "--cluster.node-label", NODE_LABEL,
+                         "--cluster.trainer-node", nodes[0]])
+    finally:
+        done.set()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The main job on the Ray backend: a three-node Ray cluster on this machine, confined to
+loopback (fnrl.experiments.ray_local), with the trainer on node a, rollouts on b and c
+and a relay on each node."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fnrl.control.metrics import read_jsonl
+
+from e2e_args import SMALL
+from test_faults_e2e import assert_nothing_lost
+
+pytestmark = pytest.mark.slow
+
+
+def _ours_left(marker: str) -> list[str]:
+    """Command lines of live processes that mention `marker` (Ray's temp dir)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd:
+                out.append(cmd)
+    return out
+
+
+def test_roles_run_where_placed_and_pull_from_their_own_nodes_relay(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c", "--",
+         "--steps", "3", "--rollout.num-servers", "2", "--eval.server", "off",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
+
+    roles = json.loads((run_dir / "roles.json").read_text())
+    where = {name: info["node"] for name, info in roles.items()}
+    assert where == {"trainer": "a", "relay0": "a", "rollout0": "b", "relay1": "b",
+                     "rollout1": "c", "relay2": "c"}
+    # The node ids the hosts reported: one per node, three nodes.
+    ids = {info["node"]: info["node_id"] for info in roles.values()}
+    assert len(set(ids.values())) == 3
+    assert all(roles[n]["node_id"] == ids[roles[n]["node"]] for n in roles)
+    # Every pull of each rollout came from the relay on its own node.
+    for rid, relay in ((0, "relay1"), (1, "relay2")):
+        log = (run_dir / "logs" / f"rollout{rid}.log").read_text()
+        sources = set(re.findall(r"fnrl_pull: version \d+ from relay (\S+)", log))
+        assert sources == {roles[relay]["address"]}, (rid, sources)
+
+    # What the single-host run shows holds here too.
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert max(max(r["rollout_versions"]) for r in train) >= 1
+    for r in train:
+        assert sum(r["staleness_hist"]) == r["tokens"] > 0
+        assert r["staleness_max"] <= 4
+    fresh = [r for r in train if r["staleness_max"] == 0]
+    assert fresh and all(r["logp_abs_diff"] < 1e-2 for r in fresh)
+    # Nothing of the cluster outlives the job: no Ray process, no temporary directory.
+    assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
+
+
+def test_losing_a_node_mid_run_moves_its_rollout_and_loses_no_trajectory(tmp_path, cache_dir):
+    """Node c's raylet is removed after step 2: its host actor dies and the rollout and
+    relay it started die with it. The relay is spliced out of the chain, the rollout is
+    restarted on a surviving node, and the run finishes with every group consumed once."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c",
+         "--lose-node", "c", "--lose-after-step", "2", "--",
+         "--steps", "6", "--rollout.num-servers", "2", "--eval.server", "off",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+        capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "losing a node after step 2" in proc.stdout
+    temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
+
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    # The lost node's relay was spliced out; its rollout failed with the node named, was
+    # restarted on b (the generation node left) and pulls from b's relay since.
+    roles = json.loads((run_dir / "roles.json").read_text())
+    assert roles["rollout1"]["node"] == "b" and roles["relay2"]["node"] == "c"
+    events = read_jsonl(run_dir / "faults.jsonl")
+    assert any(e["event"] == "chain_repaired" and e["role"] == "relay2" for e in events)
+    failure = [e for e in events if e["event"] == "failure" and e["role"] == "rollout1"]
+    assert failure and "lost with its node" in failure[0]["reason"]
+    assert any(e["event"] == "recovered" and e["role"] == "rollout1" for e in events)
+    pulls = re.findall(r"fnrl_pull: version \d+ from relay (\S+)",
+                       (run_dir / "logs" / "rollout1.log").read_text())
+    assert pulls[0] == roles["relay2"]["address"] and pulls[-1] == roles["relay1"]["address"]
+    # Every trajectory consumed once, dropped on purpose, or still pooled; the staleness
+    # bound (the default preset's η = 2) held on every batch.
+    assert_nothing_lost(run_dir, steps=6, eta=2)
+    assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
