@@ -6,8 +6,8 @@ the rollouts' pull time, side by side in rounds of one invocation.
 
 Each round runs the main job (small model, real vLLM, relays, trainer) once per backend,
 in the order `round_orders` gives:
-  local   every role a child process of the controller, one relay per rollout host
-          (`--relay.num-relays 2`, as many as the Ray run has beside the trainer);
+  local   every role a child process of the controller, three relays in a chain
+          (`--relay.num-relays 3`, as many as the Ray run has: one per node);
   ray     fnrl.experiments.ray_local: a three-node Ray cluster on this machine (trainer
           on a, rollouts on b and c, a relay on each node), confined to loopback.
 Start-up is from the job's start (for Ray: once its cluster is up, which a real cluster
@@ -45,7 +45,7 @@ def run_once(backend: str, run_dir: Path, steps: int, cache_dir: str) -> dict:
     job = ["--steps", str(steps), "--run-dir", str(run_dir), "--warm-start.cache-dir",
            cache_dir, *SMALL]
     if backend == "local":
-        argv = [sys.executable, "-m", "fnrl.experiments.math_grpo", "--relay.num-relays", "2",
+        argv = [sys.executable, "-m", "fnrl.experiments.math_grpo", "--relay.num-relays", "3",
                 *job]
     else:
         argv = [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c", "--",
@@ -78,6 +78,9 @@ def main() -> None:
     print(environment(), flush=True)
     out = Path(args.out or tempfile.mkdtemp(prefix="fnrl-ray-bench-"))
     cache = str(out / "model_cache")
+    # Untimed: builds the warm-started model cache (and the compilation cache), which
+    # the first timed run would otherwise pay alone.
+    run_once("local", out / "warm-up", 1, cache)
     results: dict[str, list[dict]] = {"local": [], "ray": []}
     for r, order in enumerate(round_orders(("local", "ray"), args.rounds, args.seed)):
         print(f"round {r}: {' then '.join(order)}; load {load()}", flush=True)
