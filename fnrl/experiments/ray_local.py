@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     job_args = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="a,b,c", help="node names, the trainer's first")
+    parser.add_argument("--trainer-node", default="", metavar="NAME",
+                        help="the trainer's node (default: the first)")
     parser.add_argument("--lose-node", default="", metavar="NAME",
                         help="a fault: remove this node (not the head) mid-run")
     parser.add_argument("--lose-after-step", type=int, default=2, metavar="K",
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lose_node and args.lose_node not in nodes[1:]:
         parser.error(f"--lose-node {args.lose_node!r}: must be one of {nodes[1:]} (not the "
                      f"head, {nodes[0]!r}, which holds the cluster's control store)")
+    if args.trainer_node and args.trainer_node not in nodes:
+        parser.error(f"--trainer-node {args.trainer_node!r}: not one of {nodes}")
     if args.lose_node and "--run-dir" not in job_args:
         parser.error("--lose-node needs the job's --run-dir (to see its steps)")
     enter_loopback_namespace()   # first: no thread may run yet
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from fnrl.experiments.math_grpo import main as job_main
         return job_main([*job_args, "--cluster.backend", "ray", "--cluster.ray-address",
                          cluster.address, "--cluster.node-label", NODE_LABEL,
-                         "--cluster.trainer-node", nodes[0]])
+                         "--cluster.trainer-node", args.trainer_node or nodes[0]])
     finally:
         done.set()
         if cluster is not None:

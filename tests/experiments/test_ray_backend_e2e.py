@@ -102,3 +102,26 @@ def test_losing_a_node_mid_run_moves_its_rollout_and_loses_no_trajectory(tmp_pat
     # bound (the default preset's η = 2) held on every batch.
     assert_nothing_lost(run_dir, steps=6, eta=2)
     assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
+
+
+def test_losing_the_trainers_node_restarts_the_trainer_elsewhere(tmp_path, cache_dir):
+    """The trainer and the chain's master relay run on node b, which is lost after step 2:
+    the master is re-elected among the survivors, the trainer restarts on another node
+    from the step's checkpoint and batch log, and the run finishes with nothing lost."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c",
+         "--trainer-node", "b", "--lose-node", "b", "--lose-after-step", "2", "--",
+         "--steps", "6", "--rollout.num-servers", "2", "--eval.server", "off",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+        capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    roles = json.loads((run_dir / "roles.json").read_text())
+    assert roles["relay0"]["node"] == "b" and roles["trainer"]["node"] in ("a", "c")
+    events = read_jsonl(run_dir / "faults.jsonl")
+    failure = [e for e in events if e["event"] == "failure" and e["role"] == "trainer"]
+    assert failure and "lost with its node" in failure[0]["reason"]
+    assert any(e["event"] == "chain_repaired" and e["role"] == "relay0" and e["was_master"]
+               for e in events)
+    assert any(e["event"] == "recovered" and e["role"] == "trainer" for e in events)
+    assert_nothing_lost(run_dir, steps=6, eta=2)
