@@ -53,7 +53,7 @@ class ClusterConfig:
     ray_address: str = ""
     """The Ray cluster to join ("": the RAY_ADDRESS variable, else "auto")."""
     trainer_node: str = ""
-    """The Ray node the trainer runs on, by its `node_label` value ("": the first node)."""
+    """The Ray node the trainer runs on, by its `node_label` value ("": the first by name)."""
     node_label: str = "fnrl-node"
     """The Ray node label that names a node (`ray start --labels fnrl-node=a`); a node
     without it is named by the first 8 characters of its node id."""

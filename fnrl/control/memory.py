@@ -22,6 +22,8 @@ Pure arithmetic from the model's config and the run's (no files, no processes):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import dataclasses
 import math
 
@@ -150,3 +152,24 @@ def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
         "--model.max-seq-len, --rollout.dtype bfloat16, --rollout.max-num-seqs, "
         "--relay.keep-versions 1, fewer servers or relays, --eval.server rollout (evaluate "
         "on an idle rollout instead of a server of its own).")
+
+
+def check_plan_per_machine(plan: MemoryPlan, machine_of: Mapping[str, str | None],
+                           available: Mapping[str, int]) -> None:
+    """The multi-node form of `check_plan`: each machine's roles (`machine_of`: plan role
+    name -> machine, None for a role not placed, such as the controller) against that
+    machine's available bytes. Raises ValueError naming each machine that is short."""
+    need: dict[str, list[RoleMemory]] = {}
+    for r in plan.roles:
+        machine = machine_of.get(r.role)
+        if machine is not None:
+            need.setdefault(machine, []).append(r)
+    short = []
+    for machine, roles in need.items():
+        total = sum(r.peak_bytes for r in roles)
+        if total > available[machine]:
+            short.append(f"{machine} needs {total / GIB:.2f} GiB for "
+                         + ", ".join(f"{r.role} {r.peak_bytes / GIB:.2f}" for r in roles)
+                         + f" but has {available[machine] / GIB:.2f} GiB available")
+    if short:
+        raise ValueError("the job does not fit its machines: " + "; ".join(short))

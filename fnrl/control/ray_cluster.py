@@ -34,7 +34,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fnrl.config import ClusterConfig
 from fnrl.policy.placement import Placement, place_roles
 from fnrl.relay.launch import remove_segments
-from fnrl.serving.server import ServerSpec, launch_server
+from fnrl.control.memory import MemoryPlan, check_plan_per_machine
+from fnrl.serving.server import ServerSpec, launch_server, read_host_memory
 from fnrl.shell import auth, procs
 from fnrl.shell.hosted import HostedProcess
 from fnrl.shell.net import free_port
@@ -58,6 +59,10 @@ class NodeHost:
     def node_id(self) -> str:
         """The Ray node this host (and every process it starts) runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def available_bytes(self) -> int:
+        """MemAvailable of this node's machine now."""
+        return read_host_memory().available_bytes
 
     def free_port(self) -> int:
         return free_port()
@@ -177,14 +182,15 @@ def _base(role: str) -> str:
 
 def cluster_nodes(label: str) -> dict[str, str]:
     """{node name: Ray node id} of the alive nodes, named by `label` (else the id's
-    first 8 characters), in the order Ray lists them."""
+    first 8 characters), in name order: Ray lists nodes in no fixed order, and the
+    placement must not change from one start to the next."""
     out = {}
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
         node_id = node["NodeID"]
         out[(node.get("Labels") or {}).get(label) or node_id[:8]] = node_id
-    return out
+    return dict(sorted(out.items()))
 
 
 class RayLauncher:
@@ -271,6 +277,20 @@ class RayLauncher:
         self._started.add(role)
         return HostedProcess(host, host.call("launch_server", spec, str(log_path), secret),
                              log_path, host.node)
+
+    def check_memory(self, plan: MemoryPlan) -> None:
+        """Each machine's planned roles against its available memory, before any role
+        starts. Nodes that report one address share a machine (a test cluster's logical
+        nodes), so their roles add up; the controller runs outside the placement."""
+        role_of = {"standby": "trainer_standby", "controller": None}
+        machine_of = {}
+        for r in plan.roles:
+            role = role_of.get(r.role, r.role.replace("server", "rollout", 1))
+            machine_of[r.role] = None if role is None else self.ips[self.node_of(role)]
+        available = {}
+        for node, host in self.hosts.items():
+            available.setdefault(self.ips[node], host.call("available_bytes"))
+        check_plan_per_machine(plan, machine_of, available)
 
     def remove_segments(self, relay: str, proc) -> None:
         if not proc.host.dead:   # a lost node's segments went with it

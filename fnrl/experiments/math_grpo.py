@@ -184,12 +184,17 @@ def check_memory_plan(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
     """Prints (and writes to memory_plan.txt) what every role will take, and raises a
     ValueError naming every figure, before any role starts, when the host cannot hold it."""
     host = read_host_memory()
-    plan = plan_memory(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir),
-                       kv_in_host=kv_in_host_memory(), node_total_bytes=host.node_total_bytes)
+    plan = memory_plan(cfg, model_dir, host.node_total_bytes)
     table = plan.table()
     (run_dir / "memory_plan.txt").write_text(table + "\n")
     print(table, flush=True)
-    check_plan(plan, host.available_bytes)
+    if cfg.cluster.backend == "local":   # on Ray: per machine, once the roles are placed
+        check_plan(plan, host.available_bytes)
+
+
+def memory_plan(cfg: RunConfig, model_dir: Path, node_total_bytes: int):
+    return plan_memory(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir),
+                       kv_in_host=kv_in_host_memory(), node_total_bytes=node_total_bytes)
 
 
 def role_names(cfg: RunConfig) -> tuple[str, ...]:
@@ -245,6 +250,10 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
     # SIGINT, SIGTERM, SIGHUP: every role stops at once, then Stopped unwinds the job.
     restore_signals = cluster.stop_on_signals()
     try:
+        relays = dataclasses.replace(cfg.relay,
+                                     num_relays=launcher.relay_count(cfg.relay.num_relays))
+        launcher.check_memory(memory_plan(dataclasses.replace(cfg, relay=relays), model_dir,
+                                          read_host_memory().node_total_bytes))
         max_len = context_len(cfg, model_dir)
         specs = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
                             max_num_seqs=cfg.rollout.max_num_seqs,
@@ -259,8 +268,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
                 specs[0], port=free_port(), max_num_seqs=cfg.eval.max_num_seqs,
                 kv_memory_fraction=0.0, seed=cfg.seed))
         # Relays come up while the servers load; the trainer publishes to them.
-        tier = cluster.start_relays(dataclasses.replace(
-            cfg.relay, num_relays=launcher.relay_count(cfg.relay.num_relays)))
+        tier = cluster.start_relays(relays)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
         return asyncio.run(_attempt(cfg, run_dir, cluster, task))
     finally:

@@ -79,3 +79,21 @@ def test_the_check_names_every_figure_when_it_does_not_fit():
         for what, _ in r.items:
             assert what in msg
     assert "--trainer.logprob-chunk" in msg
+
+
+def test_a_multi_node_plan_is_checked_per_machine():
+    from fnrl.control.memory import MemoryPlan, RoleMemory, check_plan_per_machine
+    gib = 1 << 30
+    plan = MemoryPlan(roles=tuple(RoleMemory(role=name, items=(("x", b * gib),),
+                                             peak_bytes=b * gib)
+                                  for name, b in (("trainer", 10), ("relay0", 2), ("server0", 6),
+                                                  ("server1", 6), ("controller", 1))))
+    placed = {"trainer": "10.0.0.1", "relay0": "10.0.0.1", "server0": "10.0.0.2",
+              "server1": "10.0.0.2", "controller": None}
+    check_plan_per_machine(plan, placed, {"10.0.0.1": 12 * gib, "10.0.0.2": 12 * gib})
+    # Logical nodes on one machine share its memory: the same roles do not fit on 20 GiB.
+    one = {k: (None if v is None else "127.0.0.1") for k, v in placed.items()}
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1 needs 24\.00 GiB for trainer 10\.00, "
+                                         r"relay0 2\.00, server0 6\.00, server1 6\.00 but has "
+                                         r"20\.00 GiB available"):
+        check_plan_per_machine(plan, one, {"127.0.0.1": 20 * gib})
