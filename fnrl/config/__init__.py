@@ -14,6 +14,7 @@ from fnrl.config.algo import (ADVANTAGE_NAMES, AGGREGATION_NAMES, CORRECTION_NAM
                               known_names)
 from fnrl.config.base import check, finite, from_dict, load_json, positive, save_json, to_dict
 from fnrl.config.cluster import ClusterConfig
+from fnrl.config.distributed import DistributedConfig
 from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, CoordinatorConfig,
                                CostModel, RepackConfig, RoutingConfig)
 from fnrl.config.eval import EVAL_SERVERS, EvalConfig
@@ -26,8 +27,8 @@ from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutCo
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "CORRECTION_NAMES", "KL_ESTIMATOR_NAMES",
     "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
-    "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "EVAL_SERVERS",
-    "EvalConfig", "FaultConfig", "GATE_RULE_NAMES", "GatesConfig",
+    "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "DistributedConfig",
+    "EVAL_SERVERS", "EvalConfig", "FaultConfig", "GATE_RULE_NAMES", "GatesConfig",
     "Injection", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",

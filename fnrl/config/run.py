@@ -8,6 +8,7 @@ from typing import Literal
 from fnrl.config.algo import AlgoConfig
 from fnrl.config.base import check, finite, positive
 from fnrl.config.cluster import ClusterConfig
+from fnrl.config.distributed import DistributedConfig
 from fnrl.config.eval import EvalConfig
 from fnrl.config.coord import CoordinatorConfig
 from fnrl.config.faults import FaultConfig
@@ -215,6 +216,8 @@ class TrainerConfig:
     length_buckets: tuple[int, ...] = ()
     pack_rows: int = 0
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The trainer's processes on one global mesh (1 process by default)."""
     logprob_chunk: int = 0
     """Tokens whose vocabulary logits exist at once when computing log-probs and entropy
     (rows x positions per chunk; fnrl.trainer.logprobs); 0: all of a micro-batch's at

@@ -27,7 +27,13 @@ TRAINER_RULES: Mapping[str, str | None] = {
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A mesh over the local devices; `data=-1` takes whatever fsdp*tensor leaves."""
+    """A mesh over `devices` (default: every process's, `jax.devices()`); `data=-1` takes
+    whatever fsdp*tensor leaves.
+
+    With several trainer processes (fnrl.trainer.distributed) the devices are ordered by
+    process, so the trailing axes (tensor, then fsdp) stay within a process and `data`
+    spans processes: the slow link carries only the gradient reduction.
+    """
     devices = list(devices if devices is not None else jax.devices())
     if data == -1:
         if len(devices) % (fsdp * tensor):
@@ -35,8 +41,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> j
         data = len(devices) // (fsdp * tensor)
     if data * fsdp * tensor > len(devices):
         raise ValueError(f"mesh {data}x{fsdp}x{tensor} needs more than {len(devices)} devices")
+    used = devices[: data * fsdp * tensor]
+    left_out = {d.process_index for d in devices} - {d.process_index for d in used}
+    if left_out:
+        # A process without a device in the mesh would hold no shard of the step.
+        raise ValueError(f"mesh {data}x{fsdp}x{tensor} leaves process(es) {sorted(left_out)} "
+                         f"without devices: use all {len(devices)} devices")
     return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices[: data * fsdp * tensor])
+                         devices=used)
 
 
 def logical_to_mesh(spec: tuple | P | None, rules: Mapping[str, Any]) -> P:
@@ -91,3 +103,19 @@ def mesh_from_config(mesh_cfg, devices=None) -> jax.sharding.Mesh:
 def batch_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] = TRAINER_RULES) -> NamedSharding:
     """Leading (batch) dimension over data and fsdp; the rest replicated."""
     return NamedSharding(mesh, P(rules["batch"]))
+
+
+def global_arrays(host_tree: Any, shardings: Any) -> Any:
+    """Host arrays (numpy) as global jax Arrays placed by `shardings` (a sharding or a
+    pytree of them), on one process or several.
+
+    Every process holds the same whole host tree (the simplest contract: each trainer
+    process receives the full batch) and builds only the slices its own devices hold.
+    With several processes a jitted step refuses numpy inputs for a sharded argument
+    (measured, JAX 0.10.2), so the trainer's batch goes through here.
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, host_tree)
+    return jax.tree.map(
+        lambda x, sharding: jax.make_array_from_callback(
+            x.shape, sharding, lambda index: x[index]), host_tree, shardings)
