@@ -87,7 +87,7 @@ def test_kubernetes_style_environment():
 
 @pytest.mark.parametrize("cfg, env, match", [
     (DistributedConfig(num_processes=0), {}, "SLURM_NTASKS or FNRL_NUM_PROCESSES"),
-    (DistributedConfig(num_processes=2), {}, "SLURM_PROCID nor FNRL_PROCESS_ID"),
+    (DistributedConfig(num_processes=2), {}, "SLURM_PROCID or FNRL_PROCESS_ID; neither is set"),
     (DistributedConfig(num_processes=0), {"FNRL_NUM_PROCESSES": "two"}, "FNRL_NUM_PROCESSES"),
     (DistributedConfig(num_processes=0), {"FNRL_NUM_PROCESSES": "2", "FNRL_PROCESS_ID": "2"},
      r"process_id=2 is not in \[0, num_processes=2\)"),
