@@ -5,25 +5,28 @@ partial config and whether its run finished (fnrl.experiments.ablate runs the ce
 A cell is one point of the grid; a variant is a cell without its seed. The cells of
 one seed form a round, and every round runs its variants in a different order, so a
 burst of load on a shared machine lands on different variants in different rounds
-instead of always on the same one. `balanced` (the default): a seeded shuffle, run
-backwards in every other round (two rounds give every variant the same mean position)
-and rotated by one every two rounds; `shuffle`: a fresh seeded shuffle per round;
-`rotate`: the listed order rotated by the round; `listed`: the grid's order.
+instead of always on the same one. The orders are fnrl.experiments.rounds.ORDERS (shared
+with the benchmarks): `balanced` (the default): a seeded shuffle, run backwards in every
+other round (two rounds give every variant the same mean position) and rotated by one
+every two rounds; `blocks`: each variant in each place once per block of rounds;
+`shuffle`: a fresh seeded shuffle per round; `rotate`: the listed order rotated by the
+round; `listed`: the grid's order.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fnrl.config.files import merge, nest
+from fnrl.experiments.rounds import ORDERS as _ORDERS
+from fnrl.experiments.rounds import round_orders
 
-ORDERS = ("balanced", "shuffle", "rotate", "listed")
+ORDERS = tuple(_ORDERS)
 ROUND_AXIS = "seed"
 SPEC_KEYS = ("name", "output", "base", "grid", "order", "reference", "warm_compile",
              "pin_model")
@@ -167,18 +170,10 @@ def expand(spec: AblationSpec) -> list[Cell]:
     rounds_axis = dict(spec.grid).get(ROUND_AXIS, (None,))
     variant_axes = [(p, vs) for p, vs in spec.grid if p != ROUND_AXIS]
     variants = list(itertools.product(*[[(p, v) for v in vs] for p, vs in variant_axes]))
+    orders = round_orders(range(len(variants)), len(rounds_axis), seed=spec.name,
+                          order=spec.order)
     cells = []
-    for r, seed in enumerate(rounds_axis):
-        order = list(range(len(variants)))
-        if spec.order == "shuffle":
-            random.Random(f"{spec.name}:{r}").shuffle(order)
-        elif spec.order == "rotate":
-            order = order[r % len(order):] + order[:r % len(order)]
-        elif spec.order == "balanced":
-            random.Random(spec.name).shuffle(order)
-            shift = (r // 2) % len(order)
-            order = order[shift:] + order[:shift]
-            order = order[::-1] if r % 2 else order
+    for r, (seed, order) in enumerate(zip(rounds_axis, orders)):
         for i in order:
             # Axis values keep the grid's order whatever the run order.
             by_path = dict(variants[i]) | ({ROUND_AXIS: seed} if seed is not None else {})

@@ -26,6 +26,7 @@ import numpy as np
 from fnrl.control.metrics import read_jsonl, staleness_histogram
 from fnrl.experiments.ablation_grid import (ROUND_AXIS, AblationSpec, Cell, cell_finished,
                                            variant_name)
+from fnrl.experiments.rounds import spread
 
 FIGURES = ("trained_tok_s", "generated_tok_s", "acc_at_tokens", "final_acc", "staleness_mean",
            "staleness_max", "trainer_idle_frac", "rollout_idle_frac", "wall_s")
@@ -88,15 +89,6 @@ def collect(spec: AblationSpec, cells: list[Cell]) -> list[dict]:
         r["acc_tokens"] = tokens
         r["acc_at_tokens"] = accuracy_at(r["eval_curve"], tokens)
     return rows
-
-
-def spread(values: list[float]) -> dict:
-    """Median, min and max of the finite values, and how many there are."""
-    v = np.array([x for x in values if np.isfinite(x)], float)
-    if v.size == 0:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
-    return {"median": float(np.median(v)), "min": float(v.min()), "max": float(v.max()),
-            "n": int(v.size)}
 
 
 def reference_variant(spec: AblationSpec) -> tuple:
