@@ -28,6 +28,10 @@ class Segment:
     version: int
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    fed: bool = False
+    """True for ids fed to the model that it did not sample (a tool's result in a
+    multi-turn episode): trained with mask 0, log-probs 0, and `version` that of the
+    sampled turn before them, so staleness bookkeeping is unchanged."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -42,6 +46,8 @@ class Trajectory:
     segments: tuple[Segment, ...]
     finish_reason: str
     reward: float | None = None  # None: invalid (e.g. a non-finite reward), never trained on
+    tool_calls: int = 0          # tool calls its environment ran (multi-turn episodes)
+    tool_ok: int = 0             # of which ended "ok"
 
     @property
     def response_ids(self) -> tuple[int, ...]:
@@ -56,9 +62,33 @@ class Trajectory:
         return tuple(s.version for s in self.segments for _ in s.token_ids)
 
     @property
+    def loss_mask(self) -> tuple[int, ...]:
+        """Per response token: 1 where the policy sampled it, 0 where it was fed."""
+        return tuple(0 if s.fed else 1 for s in self.segments for _ in s.token_ids)
+
+    @property
+    def turn_starts(self) -> tuple[int, ...]:
+        """Offsets of each turn's first response token: where sampled and fed alternate."""
+        starts, pos, prev = [], 0, None
+        for s in self.segments:
+            if s.token_ids and s.fed != prev:
+                starts.append(pos)
+                prev = s.fed
+            pos += len(s.token_ids)
+        return tuple(starts)
+
+    @property
+    def num_sampled_turns(self) -> int:
+        """Sampled turns (a single-turn trajectory has 1; fed turns are not counted)."""
+        starts, mask = self.turn_starts, self.loss_mask
+        return sum(mask[i] for i in starts)
+
+    @property
     def version(self) -> int:
-        """V_traj: the oldest policy version that produced any of its tokens."""
-        return min(s.version for s in self.segments)
+        """V_traj: the oldest policy version that sampled any of its tokens (fed tokens
+        and empty segments do not count; with no sampled token, the oldest segment's)."""
+        return min((s.version for s in self.segments if s.token_ids and not s.fed),
+                   default=min(s.version for s in self.segments))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ class TaskConfig:
     env: str = "math"
     """The environment a trajectory runs in (fnrl.envs, by registered name): "math",
     single-turn generation graded by `reward`; "tool_arith", multi-digit products with a
-    calculator tool over several turns (not yet driven by the loop: issue 14)."""
+    calculator tool over several turns (fnrl.control.episodes; its prompts come from
+    fnrl.data.tool_arith unless task.dataset names a file)."""
 
     def __post_init__(self):
         positive(self, "num_eval")

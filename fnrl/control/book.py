@@ -94,3 +94,6 @@ class TaskIO:
     stop_ids: tuple[int, ...]         # generation ends at any of these (EOS, <|im_end|>, ...)
     pad_id: int
     seq_len: int                      # the model's context: prompt + response ≤ seq_len
+    encode_text: Callable[[str], list[int]] | None = None
+    """A text's ids alone, no template or BOS: what a multi-turn environment's
+    observations (tool results) are fed as. None: single-turn tasks never need it."""

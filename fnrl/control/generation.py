@@ -23,6 +23,7 @@ from typing import Protocol
 
 from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
+from fnrl.control.episodes import EpisodeOutcome, stream_episode
 from fnrl.control.eval_lane import record_eval, score_heldout
 from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
@@ -30,6 +31,7 @@ from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy.filtering import keep_group
 from fnrl.policy.seeding import request_seed
+from fnrl.sandbox.pool import SandboxPool
 from fnrl.types import Group, Trajectory
 
 PULL_ATTEMPTS = 4
@@ -72,10 +74,21 @@ class Generation:
         self.task, self.book, self.svc, self.progress = task, book, svc, progress
         self.writer, self.log = writer, log
         self.rollouts = [RolloutState(h) for h in rollouts]
+        # Multi-turn environments (fnrl.control.episodes): the sandbox that runs their
+        # tools, and each finished episode's reward and tool facts, by trajectory uid.
+        self.tools: SandboxPool | None = None
+        self.outcomes: dict[str, EpisodeOutcome] = {}
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.cfg.task.env != "math"
 
     async def start(self) -> None:
         """KV capacities, and one request per server first, so no server's first batch
         (lazy kernel set-up in the engine) lands inside the measured window."""
+        if self.multi_turn and self.tools is None:
+            self.tools = SandboxPool()
+            await self.tools.start()
         for r in self.rollouts:
             r.kv_capacity = float(self.cfg.rollout.kv_capacity_tokens
                                   or await r.handle.kv_capacity_tokens())
@@ -165,6 +178,9 @@ class Generation:
             # moves it back to the TS with what was streamed.
 
     async def _stream_once(self, t: Tracked, rid: int) -> None:
+        if self.multi_turn:
+            await self._episode_once(t, rid)
+            return
         rollout, cfg, book = self.rollouts[rid], self.cfg, self.book
         if t.uid not in self.pool:
             self.pool.start(t.uid, t.prompt_ids)
@@ -201,6 +217,47 @@ class Generation:
         self.reward_group(t.gid)
         self.svc.wake()
 
+    async def _episode_once(self, t: Tracked, rid: int) -> None:
+        """One environment episode for `t` (fnrl.control.episodes); an episode cut off
+        before is run afresh (its environment's state is not kept)."""
+        rollout, cfg, book = self.rollouts[rid], self.cfg, self.book
+        if t.uid in self.pool:
+            if self.pool.get(t.uid).num_tokens:
+                book.counts["episodes_restarted"] += 1
+            self.pool.drop(t.uid)
+        self.pool.start(t.uid, t.prompt_ids)
+        t.tokens = 0
+
+        def on_tokens(n: int) -> None:
+            t.tokens += n
+            t.started = True
+            book.generated_tokens += n
+            self.progress.streamed(rid)
+
+        seed = request_seed(cfg.seed, t.uid, 0) if cfg.deterministic else None
+        outcome = await stream_episode(
+            env_name=cfg.task.env, runner=self.tools, problem=self.table.groups[t.gid].problem,
+            prompt_ids=t.prompt_ids, uid=t.uid, pool=self.pool, handle=rollout.handle,
+            version=lambda: rollout.version, encode_text=self.task.encode_text,
+            decode=self.task.decode, stop_ids=self.task.stop_ids,
+            max_new_tokens=cfg.algo.max_new_tokens,
+            sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
+                          top_k=cfg.algo.top_k, seed=seed),
+            request_id=f"{t.uid}#{t.placements}", on_tokens=on_tokens)
+        self.outcomes[t.uid] = outcome
+        self.pool.finish(t.uid, outcome.finish_reason)
+        t.finished = True
+        rollout.complete += 1
+        self.progress.finished(rid)
+        self.reward_group(t.gid)
+        self.svc.wake()
+
+    async def close_tools(self) -> None:
+        """Stops the sandbox's workers (multi-turn runs)."""
+        if self.tools is not None:
+            await self.tools.close()
+            self.tools = None
+
     def reward(self, ids, gold: str) -> float | None:
         """The verifier's reward of a response's token ids, or None (the trajectory is
         invalid, and counted) when it raises or returns something non-finite: one bad
@@ -225,10 +282,16 @@ class Generation:
         for m in members:
             item = self.pool.get(m.uid)
             ids = [tok for s in item.segments for tok in s.token_ids]
-            reward = self.reward(ids, rec.problem.answer)
+            outcome = self.outcomes.pop(m.uid, None)
+            if outcome is not None:   # a multi-turn episode: its environment graded it
+                reward = None if outcome.reward is None else checked_reward(outcome.reward)
+            else:
+                reward = self.reward(ids, rec.problem.answer)
             self.book.invalid_trajectories += reward is None
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids, segments=item.segments,
-                                    finish_reason=item.finish_reason, reward=reward))
+                                    finish_reason=item.finish_reason, reward=reward,
+                                    tool_calls=outcome.tool_calls if outcome else 0,
+                                    tool_ok=outcome.tool_ok if outcome else 0))
         keep = keep_group([t.reward for t in trajs], dynamic_sampling=self.cfg.algo.dynamic_sampling)
         if not keep:
             self.journal.write("drop", groups=[rec.name])

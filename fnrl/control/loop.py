@@ -135,6 +135,7 @@ class Controller:
         finally:
             for t in self.svc.tasks:
                 t.cancel()
+            await self.generation.close_tools()   # the sandbox's workers (multi-turn)
             self.bar.close()
             for closing in (self.supervisor, self.journal, self.consumed, self.pool, self.attempts):
                 closing.close()

@@ -102,6 +102,15 @@ def plot_run(run_dir: Path) -> Path:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     if train:
         axes[0].plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=1)
+    episodes = [r for r in train if "turns_mean" in r]
+    if episodes:   # multi-turn runs: tool use beside the reward it buys
+        twin = axes[0].twinx()
+        twin.plot([r["step"] for r in episodes], [r["turns_mean"] for r in episodes],
+                  color="tab:green", lw=1, label="sampled turns / trajectory")
+        twin.plot([r["step"] for r in episodes], [r["tool_success_rate"] for r in episodes],
+                  color="tab:orange", lw=1, label="tool-call success rate")
+        twin.set(ylabel="turns; success rate")
+        twin.legend(fontsize=8, loc="lower right")
     axes[0].set(title="training reward (batch mean)", xlabel="step", ylabel="reward")
     if evals:
         axes[1].plot([r["step"] for r in evals], [100 * r["accuracy"] for r in evals], "o-")

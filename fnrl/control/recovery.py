@@ -42,6 +42,11 @@ class ConsumedLog:
                               "token_ids": [list(s.token_ids) for s in tr.segments],
                               "logprobs": [list(s.logprobs) for s in tr.segments],
                               "finish_reason": tr.finish_reason,
+                              # Multi-turn: which segments were fed (tool results, mask 0).
+                              **({"fed": [s.fed for s in tr.segments]}
+                                 if any(getattr(s, "fed", False) for s in tr.segments) else {}),
+                              **({"tool_calls": tr.tool_calls, "tool_ok": tr.tool_ok}
+                                 if getattr(tr, "tool_calls", 0) else {}),
                               **({"reward": tr.reward} if hasattr(tr, "reward") else {})}
                              for tr in trajectories]}) + "\n")
         for tr in trajectories:

@@ -48,19 +48,21 @@ def corrupt_logprobs(arrays: dict, shift: float, *, seed: int) -> dict:
 
 
 def check_bound(groups: tuple[Group, ...], version: int, eta: int) -> tuple[int, int]:
-    """StaleFlow §4.2 on every consumed token: V_token + η ≥ V_buf. Returns the tokens
-    checked and the largest staleness seen; raises StalenessViolation naming the group."""
+    """StaleFlow §4.2 on every consumed sampled token: V_token + η ≥ V_buf. Returns the
+    tokens checked and the largest staleness seen; raises StalenessViolation naming the
+    group."""
     tokens, worst = 0, 0
     for g in groups:
         for tr in g.trajectories:
             for s in tr.segments:
+                if s.fed or not s.token_ids:
+                    continue   # fed ids (tool results) have no policy version; empty: none
                 if s.version + eta < version:
                     raise StalenessViolation(
                         f"group {g.problem.uid} has a token of version {s.version}, too old "
                         f"for buffer {version} (η={eta})")
                 tokens += len(s.token_ids)
-                if s.token_ids:
-                    worst = max(worst, version - s.version)
+                worst = max(worst, version - s.version)
     return tokens, worst
 
 
@@ -103,7 +105,7 @@ class Training:
         checked, worst = check_bound(groups, cmd.version, eta)
         arrays, stats = make_batch(groups, b.trainer_version, algo=self.cfg.algo,
                                    trainer=self.cfg.trainer, seq_len=self.task.seq_len,
-                                   pad_id=self.task.pad_id)
+                                   pad_id=self.task.pad_id, episodes=self.cfg.task.env != "math")
         if cmd.version + 1 == self.cfg.faults.inject_bad_logprobs:
             arrays = corrupt_logprobs(arrays, self.cfg.faults.inject_logprob_shift,
                                       seed=self.cfg.seed)

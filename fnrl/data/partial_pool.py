@@ -8,6 +8,7 @@ On disk it is an append-only log of records; in memory, the replayed state. A re
 and the payload is one of
     {"op": "start",  "uid", "prompt"}             a trajectory enters the pool
     {"op": "tokens", "uid", "v", "ids", "lps"}    tokens streamed under version v
+                                                  ("fed": true: ids fed, not sampled)
     {"op": "finish", "uid", "reason"}             generation ended
     {"op": "drop",   "uid"}                       consumed or aborted: forget it
 JSON keeps Python floats exact (repr round-trips), so the log-probs the loss later
@@ -63,15 +64,18 @@ class PartialResponsePool:
         self._write({"op": "start", "uid": uid, "prompt": [int(t) for t in prompt_ids]})
 
     def append(self, uid: str, version: int, token_ids: Sequence[int],
-               logprobs: Sequence[float]) -> None:
+               logprobs: Sequence[float], *, fed: bool = False) -> None:
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs")
         if uid not in self._items:
             raise KeyError(f"trajectory {uid!r} was never started")
         if self._items[uid].finish_reason is not None:
             raise ValueError(f"trajectory {uid!r} is finished")
-        self._write({"op": "tokens", "uid": uid, "v": int(version),
-                     "ids": [int(t) for t in token_ids], "lps": [float(x) for x in logprobs]})
+        record = {"op": "tokens", "uid": uid, "v": int(version),
+                  "ids": [int(t) for t in token_ids], "lps": [float(x) for x in logprobs]}
+        if fed:   # only multi-turn records carry the key: single-turn logs are unchanged
+            record["fed"] = True
+        self._write(record)
 
     def finish(self, uid: str, reason: str) -> None:
         if uid not in self._items:
@@ -106,7 +110,8 @@ class PartialResponsePool:
             records.append(_encode({"op": "start", "uid": item.uid, "prompt": list(item.prompt_ids)}))
             for s in item.segments:
                 records.append(_encode({"op": "tokens", "uid": item.uid, "v": s.version,
-                                        "ids": list(s.token_ids), "lps": list(s.logprobs)}))
+                                        "ids": list(s.token_ids), "lps": list(s.logprobs),
+                                        **({"fed": True} if s.fed else {})}))
             if item.finish_reason is not None:
                 records.append(_encode({"op": "finish", "uid": item.uid,
                                         "reason": item.finish_reason}))
@@ -139,11 +144,11 @@ class PartialResponsePool:
         elif op == "tokens":
             item = self._items[uid]
             segs = item.segments
-            new = Segment(r["v"], tuple(r["ids"]), tuple(r["lps"]))
-            if segs and segs[-1].version == new.version:
+            new = Segment(r["v"], tuple(r["ids"]), tuple(r["lps"]), bool(r.get("fed", False)))
+            if segs and (segs[-1].version, segs[-1].fed) == (new.version, new.fed):
                 last = segs[-1]
                 new = Segment(last.version, last.token_ids + new.token_ids,
-                              last.logprobs + new.logprobs)
+                              last.logprobs + new.logprobs, last.fed)
                 segs = segs[:-1]
             self._items[uid] = PartialResponse(uid, item.prompt_ids, segs + (new,), None)
         elif op == "finish":

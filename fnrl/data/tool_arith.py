@@ -83,3 +83,19 @@ def demonstration(problem: Problem, mode: str = "tool", *,
     if mode == "guess":
         return ((f"#### {guess}", True),)
     return ((f"<calc>{expr}</cal>\n#### {guess}", True),)
+
+
+class ToolPromptStream:
+    """The training prompts of the tool task as the loop takes them (`take`, `skip`, a
+    resumable `cursor`, like fnrl.data.arith.PromptStream)."""
+
+    def __init__(self, seed: int, *, held_out: frozenset[str], cursor: int = 0):
+        self._seed, self._held_out, self.cursor = seed, held_out, cursor
+
+    def take(self, n: int) -> list[Problem]:
+        out, self.cursor = tool_train_problems(self._seed, self.cursor, n, held_out=self._held_out)
+        return out
+
+    def skip(self, n: int) -> None:
+        """Moves on as if `take(n)` had been called (a restarted controller catching up)."""
+        self.take(n)

@@ -48,9 +48,10 @@ from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.report import across_attempts
 from fnrl.control.roles import Cluster, LocalLauncher, Stopped
 from fnrl.control.supervisor import JobRestart
-from fnrl.data.dataset import load_task
+from fnrl.data.dataset import check_synthetic_prompts, load_task
 from fnrl.data.reward import make_reward
 from fnrl.data.tokenizer import ChatTokenizer
+from fnrl.data.tool_arith import ToolPromptStream, tool_eval_problems
 from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.experiments.warm_start import ensure_default_model
@@ -172,12 +173,21 @@ def load_task_io(cfg: RunConfig, model_dir: Path, run_dir: Path) -> TaskIO:
         raise ValueError(f"algo.max_new_tokens={cfg.algo.max_new_tokens} leaves no room for a "
                          f"prompt in the run's {max_len}-token context (model.max_seq_len, or "
                          f"the model's max_position_embeddings)")
-    prompts, eval_set = load_task(cfg.task, seed=cfg.seed,
-                                  prompt_tokens=lambda s: len(tok.encode_prompt(s)),
-                                  prompt_budget=max_len - cfg.algo.max_new_tokens, run_dir=run_dir)
+    if cfg.task.env == "tool_arith" and not cfg.task.dataset:   # the calculator task's own data
+        eval_set = tool_eval_problems(cfg.task.seed, cfg.task.num_eval)
+        check_synthetic_prompts(eval_set, lambda s: len(tok.encode_prompt(s)),
+                                max_len - cfg.algo.max_new_tokens)
+        prompts = ToolPromptStream(cfg.task.seed + cfg.seed,
+                                   held_out=frozenset(p.prompt for p in eval_set))
+    else:
+        prompts, eval_set = load_task(cfg.task, seed=cfg.seed,
+                                      prompt_tokens=lambda s: len(tok.encode_prompt(s)),
+                                      prompt_budget=max_len - cfg.algo.max_new_tokens,
+                                      run_dir=run_dir)
     return TaskIO(prompts=prompts, eval_set=tuple(eval_set), encode=tok.encode_prompt,
                   decode=tok.decode, reward_fn=make_reward(cfg.task.reward),
-                  stop_ids=tok.stop_ids, pad_id=tok.pad_id, seq_len=max_len)
+                  stop_ids=tok.stop_ids, pad_id=tok.pad_id, seq_len=max_len,
+                  encode_text=tok.check_text)
 
 
 def check_memory_plan(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
@@ -209,9 +219,6 @@ def run(cfg: RunConfig) -> dict:
     `faults.max_job_restarts` times. The summary covers every attempt of the run
     (fnrl.control.report.across_attempts), a controller killed and re-run included."""
     check_injections(tuple(parse_injection(s) for s in cfg.faults.inject), role_names(cfg))
-    if cfg.task.env != "math":   # multi-turn environments are not wired into the loop yet
-        raise ValueError(f"task.env={cfg.task.env!r}: the loop runs single-turn 'math' only "
-                         "for now (multi-turn rollouts: issue 14)")
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)

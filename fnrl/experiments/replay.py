@@ -68,10 +68,12 @@ def _trajectory(rec: dict, where: str) -> Trajectory:
         raise ReplayError(f"{where}: trajectory {rec.get('uid')!r} has no "
                           f"{'token ids' if 'token_ids' not in rec else 'reward'} (a run "
                           "from before replay records, or a group logged by a recovery)")
-    segments = tuple(Segment(v, tuple(ids), tuple(lps)) for (v, _), ids, lps
-                     in zip(rec["segments"], rec["token_ids"], rec["logprobs"]))
+    fed = rec.get("fed") or [False] * len(rec["segments"])   # multi-turn: tool results
+    segments = tuple(Segment(v, tuple(ids), tuple(lps), bool(f)) for (v, _), ids, lps, f
+                     in zip(rec["segments"], rec["token_ids"], rec["logprobs"], fed))
     return Trajectory(uid=rec["uid"], prompt_ids=tuple(rec["prompt_ids"]), segments=segments,
-                      finish_reason=rec["finish_reason"], reward=rec["reward"])
+                      finish_reason=rec["finish_reason"], reward=rec["reward"],
+                      tool_calls=rec.get("tool_calls", 0), tool_ok=rec.get("tool_ok", 0))
 
 
 def read_steps(run_dir: Path) -> list[Step]:

@@ -139,6 +139,7 @@ class RolloutClient:
         request_id: str | None = None,
         top_p: float = 1.0,
         top_k: int = -1,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[StreamChunk]:
         """One continuation of `prompt_ids`, streamed as it is sampled (server-sent events).
 
@@ -147,12 +148,16 @@ class RolloutClient:
         trajectory. Every chunk already yielded is the caller's to keep. `timeout_s`
         bounds the wait for each chunk, not the whole stream: a response of thousands of
         tokens takes as long as it takes, a server that stops answering fails.
+        `stop`: strings that end the sample (a tool call's closing tag); the ids that
+        made the string are streamed like any other.
         """
+        # Only a multi-turn turn sends stop strings: a single-turn request is unchanged.
+        stops = {"stop": list(stop), "include_stop_str_in_output": True} if stop else {}
         body = await self._completion_body(prompt_ids, n=1, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
                                            stop_token_ids=stop_token_ids, request_id=request_id,
                                            top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
-                                           stream=True)
+                                           stream=True, **stops)
         url = self.base_url + "/v1/completions"
         for attempt in range(2):
             yielded = False

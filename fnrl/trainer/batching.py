@@ -200,7 +200,9 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool,
         # An invalid sample keeps its place (shapes stay static) but trains nothing; its
         # log-probs are left at 0, since a NaN times mask 0 is still NaN in the loss.
         if is_valid(s):
-            mask[row, response] = 1.0
+            # Multi-turn: fed ids (tool results) are context, never trained on.
+            loss_mask = getattr(s, "loss_mask", None)
+            mask[row, response] = 1.0 if loss_mask is None else np.asarray(loss_mask, np.float32)
             behaviour[row, response] = np.asarray(s.logprobs, np.float32)
             trained = np.flatnonzero(mask[row, response])
             if rewards is not None and trained.size:   # at the last trained token
@@ -220,13 +222,18 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool,
     return out
 
 
-def make_batch(groups, trainer_version: int, *, algo, trainer, seq_len: int, pad_id: int):
+def make_batch(groups, trainer_version: int, *, algo, trainer, seq_len: int, pad_id: int,
+               episodes: bool = False):
     """Arrays for one train step (length buckets, packing and micro-batches per the
-    trainer config; advantages per the algorithm), plus host-side statistics."""
+    trainer config; advantages per the algorithm), plus host-side statistics
+    (`episodes`: a multi-turn environment's run, whose statistics include
+    `episode_stats` even for a batch without tool calls)."""
     trajs = [t for g in groups for t in g.trajectories]
     arrays, info = build_batch([g.trajectories for g in groups], algo=algo, trainer=trainer,
                                seq_len=seq_len, pad_id=pad_id)
-    versions = np.concatenate([np.asarray(t.versions, np.int64) for t in trajs])
+    # Staleness of sampled tokens: a fed token (tool result) has no policy version.
+    versions = np.concatenate([np.asarray(t.versions, np.int64)[np.asarray(
+        getattr(t, "loss_mask", None) or [1] * len(t.versions), bool)] for t in trajs])
     staleness = trainer_version - versions
     stats = {
         "reward_mean": info["reward_mean"],
@@ -240,4 +247,17 @@ def make_batch(groups, trainer_version: int, *, algo, trainer, seq_len: int, pad
         "staleness_hist": np.bincount(staleness, minlength=1).tolist(),
         "response_len_mean": float(np.mean([len(t.response_ids) for t in trajs])),
     }
+    if episodes or any(getattr(t, "tool_calls", 0) or len(getattr(t, "turn_starts", ())) > 1
+                       for t in trajs):   # multi-turn episodes
+        stats.update(episode_stats(trajs))
     return arrays, stats
+
+
+def episode_stats(trajs) -> dict[str, float]:
+    """Multi-turn facts of a batch: sampled turns per trajectory, tool calls per
+    trajectory, and the fraction of tool calls that ended "ok" (NaN with no calls)."""
+    calls = sum(t.tool_calls for t in trajs)
+    return {"turns_mean": float(np.mean([t.num_sampled_turns for t in trajs])),
+            "tool_calls_mean": float(np.mean([t.tool_calls for t in trajs])),
+            "tool_success_rate": sum(t.tool_ok for t in trajs) / calls if calls else float("nan"),
+            "fed_tokens": int(sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs))}

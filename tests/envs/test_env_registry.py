@@ -109,11 +109,23 @@ def test_inline_calculator_and_schema():
         ToolResult(text="", reason="fine")
 
 
-def test_the_loop_refuses_a_multi_turn_env_until_it_drives_one(tmp_path):
-    # Before any role starts or file is written: a run on "tool_arith" must not
-    # silently train single-turn math instead.
-    from fnrl.config import RunConfig
-    from fnrl.experiments.math_grpo import run as run_job
+def test_the_loop_takes_the_tool_task_prompts_and_an_observation_encoder(tmp_path,
+                                                                          tiny_model_dir):
+    # A run on "tool_arith" trains on its own problems (not arith's), and the loop can
+    # encode tool results as bare ids (no template, no BOS) to feed them verbatim.
+    from fnrl.config import AlgoConfig, RunConfig
+    from fnrl.data.arith import build_tokenizer
+    from fnrl.experiments.math_grpo import load_task_io
 
-    with pytest.raises(ValueError, match="task.env='tool_arith'.*single-turn"):
-        run_job(RunConfig(task=TaskConfig(env="tool_arith")))
+    cfg = RunConfig(task=TaskConfig(env="tool_arith", num_eval=8),
+                    algo=AlgoConfig(max_new_tokens=16))
+    task = load_task_io(cfg, tiny_model_dir, tmp_path)
+    problems = task.prompts.take(3)
+    assert all(p.level == 4 and p.uid.startswith("tool-train-") for p in problems)
+    assert all(p.level == 4 for p in task.eval_set) and len(task.eval_set) == 8
+    text = "<result>1836469</result>"
+    assert list(task.encode_text(text)) == build_tokenizer().encode(
+        text, add_special_tokens=False).ids
+    plain = load_task_io(RunConfig(task=TaskConfig(num_eval=8), algo=AlgoConfig(
+        max_new_tokens=16)), tiny_model_dir, tmp_path)
+    assert all(p.level <= 3 for p in plain.prompts.take(3))

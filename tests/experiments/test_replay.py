@@ -16,7 +16,8 @@ from fnrl.trainer.controls import pack_controls
 from fnrl.types import Group, Problem, Segment, Trajectory
 
 
-def _group(k: int, rng: np.random.Generator) -> Group:
+def _group(k: int, rng: np.random.Generator, *, multi_turn: bool = False) -> Group:
+    """`multi_turn`: sampled, fed (a tool result: mask 0, log-probs 0), sampled."""
     problem = Problem(uid=f"p{k}", prompt=f"{k}+1=", answer=str(k + 1), level=1)
     trajs = []
     for j in range(3):
@@ -24,8 +25,11 @@ def _group(k: int, rng: np.random.Generator) -> Group:
         # Log-probs as vLLM sends them: doubles with every bit used.
         segs = (Segment(0, tuple(rng.integers(3, 20, n1).tolist()), tuple(-rng.random(n1))),
                 Segment(0, tuple(rng.integers(3, 20, n2).tolist()), tuple(-rng.random(n2))))
+        if multi_turn:
+            segs = (segs[0], Segment(0, (7, 8, 9), (0.0, 0.0, 0.0), fed=True), segs[1])
         trajs.append(Trajectory(uid=f"p{k}/{j}", prompt_ids=(1, 4 + k, 5), segments=segs,
-                                finish_reason="stop", reward=float(rng.integers(0, 2))))
+                                finish_reason="stop", reward=float(rng.integers(0, 2)),
+                                tool_calls=int(multi_turn), tool_ok=int(multi_turn and j > 0)))
     return Group(problem, tuple(trajs))
 
 
@@ -56,9 +60,11 @@ CFG = RunConfig(algo=AlgoConfig(group_size=3, groups_per_step=2),
                 trainer=TrainerConfig(pack_rows=2, micro_batches=2))
 
 
-def test_rebuilt_batches_are_the_ones_sent(tmp_path):
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_rebuilt_batches_are_the_ones_sent(tmp_path, multi_turn):
+    """Multi-turn: the fed segments come back fed (masked), with the tool facts."""
     rng = np.random.default_rng(0)
-    g = [_group(k, rng) for k in range(6)]
+    g = [_group(k, rng, multi_turn=multi_turn) for k in range(6)]
     controls = pack_controls(lr_scale=0.5, upper={"grad_norm": 3.0}, lower={})
     consumes = [(0, (g[1], g[0]), True, {}),
                 (1, (g[2], g[3]), True, controls),   # a skipped step: version 1 again
