@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import faulthandler
 import json
 import shutil
 import signal
@@ -393,4 +394,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (the job's log): what a
+    # run that seems stuck is doing, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.exit(main())

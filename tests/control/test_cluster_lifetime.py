@@ -176,6 +176,18 @@ class Job:
     def log(self) -> str:
         return self.out.read_text()
 
+    def exit_code(self, timeout_s: float = 300.0) -> int:
+        """The job's exit code; a job still running after `timeout_s` fails the test with
+        every thread's stack (SIGUSR1: faulthandler in the job) and its log's tail."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 30
+            while "most recent call first" not in self.log() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            pytest.fail(f"the job did not exit in {timeout_s:.0f}s:\n{self.log()[-8000:]}")
+
     def trained(self) -> bool:
         metrics = self.run_dir / "metrics.jsonl"
         return metrics.exists() and '"kind": "train"' in metrics.read_text()
@@ -224,7 +236,7 @@ def test_ctrl_c_during_the_servers_start_stops_every_role_at_once(job_factory):
     job.proc.send_signal(signal.SIGINT)
     # It used to wait for the whole server start before stopping anything: now the job
     # ends with the server never ready (the timeout only guards against a hang).
-    assert job.proc.wait(timeout=300) == 130, job.log()[-3000:]
+    assert job.exit_code() == 130, job.log()[-3000:]
     assert "server(s) ready" not in job.log()
     assert "stopped by SIGINT; every role is stopped" in job.log()
     job.assert_nothing_left(semaphores=False)
@@ -240,7 +252,7 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
     job.wait_for(lambda: faults.exists() and '"recovered"' in faults.read_text()
                  and '"rollout0"' in faults.read_text())
     job.proc.send_signal(signal.SIGINT)
-    assert job.proc.wait(timeout=300) == 130, job.log()[-3000:]
+    assert job.exit_code() == 130, job.log()[-3000:]
     job.assert_nothing_left()
 
 
@@ -249,5 +261,5 @@ def test_a_terminated_or_killed_controller_mid_run_leaves_nothing(job_factory, s
     job = job_factory()
     job.wait_for(job.trained)
     job.proc.send_signal(sig)
-    assert job.proc.wait(timeout=300) == code, job.log()[-3000:]
+    assert job.exit_code() == code, job.log()[-3000:]
     job.assert_nothing_left()
