@@ -180,12 +180,25 @@ class WarmStartConfig:
     batch_size: int = 16
     learning_rate: float = 3e-3
     demo_error_rate: float = 0.6
+    tool_call_rate: float = 0.3
+    """With `task.env tool_arith`, the warm start's demonstrations are the tool task's
+    (fnrl.data.tool_arith.demonstration): this fraction calls the calculator and copies
+    its result, `tool_bad_call_rate` misspells the call's closing tag (no result comes
+    back) and guesses, and the rest guess without a call, so greedy decoding starts
+    out guessing and RL has tool use to learn."""
+    tool_bad_call_rate: float = 0.1
     cache_dir: str = "~/.cache/fnrl/models"
 
     def __post_init__(self):
         positive(self, "steps", "batch_size", "learning_rate")
         check(0.0 <= self.demo_error_rate < 1.0, "WarmStartConfig", "demo_error_rate",
               self.demo_error_rate, "must be in [0, 1)")
+        for name in ("tool_call_rate", "tool_bad_call_rate"):
+            check(0.0 <= getattr(self, name) <= 1.0, "WarmStartConfig", name,
+                  getattr(self, name), "must be in [0, 1]")
+        check(self.tool_call_rate + self.tool_bad_call_rate <= 1.0, "WarmStartConfig",
+              "tool_call_rate", self.tool_call_rate,
+              f"plus tool_bad_call_rate={self.tool_bad_call_rate} must be at most 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,11 @@ from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.handles import EvalServerHandle, RelayTierHandle, ServerError
 from fnrl.data.eval_metrics import ProblemScore, eval_record, finite_or_zero, sample_seed
+from fnrl.control.episodes import env_kwargs
+from fnrl.envs.base import InlineCalculator, ToolRunner
+from fnrl.envs.episode import run_episode
+from fnrl.envs.registry import make_env
+from fnrl.envs.turns import SampledTurn
 
 RewardFn = Callable[[Sequence[int], str], "float | None"]   # (response ids, gold) -> reward
 PULL_TIMEOUT_S = 60.0   # the version is on the relays already when it falls due
@@ -43,15 +48,22 @@ def next_due(version: int, due: int, every: int, *, busy: bool,
     return target, target - target % every + every
 
 
-async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn) -> dict:
+async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn, *,
+                        tools: ToolRunner | None = None) -> dict:
     """The held-out record of the weights `generate` serves (without version or tokens):
     one greedy response per problem and `cfg.eval.samples` seeded samples at the run's
-    sampling settings. `generate` is a handle's `generate` (RolloutHandle's signature)."""
+    sampling settings. `generate` is a handle's `generate` (RolloutHandle's signature).
+    A multi-turn environment's problems are episodes, their tool calls run by `tools`
+    (the run's sandbox; None: the calculator, inline)."""
     k, algo = cfg.eval.samples, cfg.algo
     stop = list(task.stop_ids)
 
     async def response_reward(prompt_ids, problem, *, temperature, seed, top_p=1.0,
                               top_k=-1) -> float:
+        if cfg.task.env != "math":   # a multi-turn environment grades its own episode
+            return finite_or_zero(await episode_reward(
+                generate, task, cfg, problem, prompt_ids, temperature=temperature, seed=seed,
+                top_p=top_p, top_k=top_k, tools=tools or InlineCalculator()))
         (c,) = await generate(prompt_ids, n=1, max_tokens=algo.max_new_tokens,
                               temperature=temperature, seed=seed, stop_token_ids=stop,
                               top_p=top_p, top_k=top_k)
@@ -68,6 +80,34 @@ async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn
 
     scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(task.eval_set)))
     return eval_record(scores, k=k)
+
+
+async def episode_reward(generate, task: TaskIO, cfg: RunConfig, problem, prompt_ids, *,
+                         temperature: float, seed: int | None, top_p: float = 1.0,
+                         top_k: int = -1, tools: ToolRunner) -> float | None:
+    """One held-out episode of the run's environment (`task.env`), its tools run by
+    `tools`, each turn one request ending at the environment's stop strings: the reward
+    it grades. The same turns, budget and stop strings as training
+    (fnrl.control.episodes)."""
+    env = make_env(cfg.task.env, **env_kwargs(cfg.task.env, tools))
+    max_new = cfg.algo.max_new_tokens
+
+    async def turn(context, stop_strings) -> SampledTurn:
+        (c,) = await generate(context, n=1, max_tokens=max_new - (len(context) - len(prompt_ids)),
+                              temperature=temperature,
+                              seed=None if seed is None else seed + len(context),
+                              stop_token_ids=list(task.stop_ids), top_p=top_p, top_k=top_k,
+                              stop=stop_strings)
+        lps = tuple(c.logprobs) if c.logprobs else (0.0,) * len(c.token_ids)
+        return SampledTurn(version=0, token_ids=tuple(c.token_ids), logprobs=lps)
+
+    try:
+        episode = await run_episode(env, problem, generate=turn,
+                                    encode_prompt=lambda _: prompt_ids, encode=task.encode_text,
+                                    decode=task.decode, max_context=len(prompt_ids) + max_new)
+    finally:
+        await env.close()
+    return episode.reward
 
 
 def record_eval(book: Book, svc: Services, writer, record: dict, *, version: int, lane: str,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -219,14 +220,14 @@ class Generation:
 
     async def _episode_once(self, t: Tracked, rid: int) -> None:
         """One environment episode for `t` (fnrl.control.episodes); an episode cut off
-        before is run afresh (its environment's state is not kept)."""
+        before resumes from what the pool holds of it (or runs afresh when its
+        environment cannot be restored)."""
         rollout, cfg, book = self.rollouts[rid], self.cfg, self.book
-        if t.uid in self.pool:
-            if self.pool.get(t.uid).num_tokens:
-                book.counts["episodes_restarted"] += 1
-            self.pool.drop(t.uid)
-        self.pool.start(t.uid, t.prompt_ids)
+        before = self.pool.get(t.uid) if t.uid in self.pool else None
         t.tokens = 0
+
+        def on_resumed(n: int) -> None:   # sampled tokens a cut-off placement left
+            t.tokens = n
 
         def on_tokens(n: int) -> None:
             t.tokens += n
@@ -243,14 +244,25 @@ class Generation:
             max_new_tokens=cfg.algo.max_new_tokens,
             sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
                           top_k=cfg.algo.top_k, seed=seed),
-            request_id=f"{t.uid}#{t.placements}", on_tokens=on_tokens)
+            request_id=f"{t.uid}#{t.placements}", on_tokens=on_tokens, on_resumed=on_resumed,
+            on_env_error=self._env_error)
+        if before is not None and before.segments:
+            book.counts["episodes_resumed" if outcome.resumed else "episodes_restarted"] += 1
         self.outcomes[t.uid] = outcome
-        self.pool.finish(t.uid, outcome.finish_reason)
+        # The grade goes with the finish record: a restarted controller rewards the
+        # episode as its environment did.
+        self.pool.finish(t.uid, outcome.finish_reason, outcome=dataclasses.asdict(outcome))
         t.finished = True
         rollout.complete += 1
         self.progress.finished(rid)
         self.reward_group(t.gid)
         self.svc.wake()
+
+    def _env_error(self, err: Exception) -> None:
+        self.book.counts["env_errors"] += 1
+        if self.book.counts["env_errors"] <= 3:
+            self.log(f"{err} (the episode is tried again from scratch, then its group "
+                     "is dropped)")
 
     async def close_tools(self) -> None:
         """Stops the sandbox's workers (multi-turn runs)."""
@@ -283,6 +295,8 @@ class Generation:
             item = self.pool.get(m.uid)
             ids = [tok for s in item.segments for tok in s.token_ids]
             outcome = self.outcomes.pop(m.uid, None)
+            if outcome is None and item.outcome is not None:   # rewarded after a restart
+                outcome = EpisodeOutcome(**item.outcome)
             if outcome is not None:   # a multi-turn episode: its environment graded it
                 reward = None if outcome.reward is None else checked_reward(outcome.reward)
             else:
@@ -292,6 +306,12 @@ class Generation:
                                     finish_reason=item.finish_reason, reward=reward,
                                     tool_calls=outcome.tool_calls if outcome else 0,
                                     tool_ok=outcome.tool_ok if outcome else 0))
+        failed = [m.uid for m, t in zip(members, trajs) if t.finish_reason == "env_error"]
+        if failed:   # an environment failed twice: the group is dropped, and counted
+            self.journal.write("drop", groups=[rec.name], env_failed=failed)
+            self.book.counts["env_failed_groups"] += 1
+            self.table.reward(gid, Group(rec.problem, tuple(trajs)), keep=False)
+            return
         keep = keep_group([t.reward for t in trajs], dynamic_sampling=self.cfg.algo.dynamic_sampling)
         if not keep:
             self.journal.write("drop", groups=[rec.name])
@@ -336,7 +356,8 @@ class Generation:
         rollout = self.rollouts[rid]
         version, t0 = rollout.version, self.svc.clock.now()
         try:
-            record = await score_heldout(rollout.handle.generate, self.task, self.cfg, self.reward)
+            record = await score_heldout(rollout.handle.generate, self.task, self.cfg, self.reward,
+                                         tools=self.tools)
         except ServerError:
             if not await self.lost(rid):
                 raise

@@ -105,7 +105,7 @@ class RolloutHandle(Protocol):
     async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
                        temperature: float, seed: int | None = None,
                        stop_token_ids: Sequence[int] = (), top_p: float = 1.0,
-                       top_k: int = -1) -> list[Completion]: ...
+                       top_k: int = -1, stop: Sequence[str] = ()) -> list[Completion]: ...
 
     def generate_stream(self, prompt_ids: Sequence[int], *, max_tokens: int,
                         temperature: float, seed: int | None = None,
@@ -144,7 +144,7 @@ class EvalServerHandle(Protocol):
     async def generate(self, prompt_ids: Sequence[int], *, n: int, max_tokens: int,
                        temperature: float, seed: int | None = None,
                        stop_token_ids: Sequence[int] = (), top_p: float = 1.0,
-                       top_k: int = -1) -> list[Completion]: ...
+                       top_k: int = -1, stop: Sequence[str] = ()) -> list[Completion]: ...
 
     async def pull_version(self, relay_address: str, version: int, *,
                            relay_timeout_s: float = 30.0) -> int:

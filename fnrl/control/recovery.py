@@ -88,7 +88,9 @@ def recover(rp: Replayed, state: ScheduleState, *, eta: int, table: TrajectoryTa
         problem = Problem(**g.problem)
         rec = table.add_group(problem, tuple(task.encode(problem.prompt)), list(g.target_lens))
         items = [pool.get(u) if u in pool else None for u in g.uids]
-        versions = [s.version for it in items if it for s in it.segments if s.token_ids]
+        # Sampled tokens' versions (a multi-turn episode's fed tool results have none).
+        versions = [s.version for it in items if it for s in it.segments
+                    if s.token_ids and not s.fed]
         if not versions:
             for it in filter(None, items):   # nothing streamed: start the group afresh
                 pool.drop(it.uid)
@@ -104,7 +106,7 @@ def recover(rp: Replayed, state: ScheduleState, *, eta: int, table: TrajectoryTa
         for it, tid in zip(items, rec.tids):
             if it is not None:
                 t = table.trajs[tid]
-                t.tokens = it.num_tokens
+                t.tokens = sum(len(s.token_ids) for s in it.segments if not s.fed)
                 t.finished = it.finish_reason is not None
         admissions.append((rec.gid, v_group))
         if all(it is not None and it.finish_reason is not None for it in items):

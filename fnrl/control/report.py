@@ -28,7 +28,8 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
               "pulls_skipped_down", "evals_lost", "evals_skipped", "recovered_groups",
               "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
-              "pull_retries")
+              "pull_retries", "episodes_resumed", "episodes_restarted", "env_errors",
+              "env_failed_groups")
 
 
 def utilization(book: Book, rollouts: Sequence, wall_s: float) -> dict:

@@ -9,8 +9,14 @@ and the payload is one of
     {"op": "start",  "uid", "prompt"}             a trajectory enters the pool
     {"op": "tokens", "uid", "v", "ids", "lps"}    tokens streamed under version v
                                                   ("fed": true: ids fed, not sampled)
-    {"op": "finish", "uid", "reason"}             generation ended
+    {"op": "finish", "uid", "reason"}             generation ended (multi-turn: with
+                                                  "outcome", the environment's grade)
     {"op": "drop",   "uid"}                       consumed or aborted: forget it
+and, for multi-turn episodes (fnrl.control.episodes), the turn boundaries:
+    {"op": "turn_end", "uid"}                     a sampled turn ended: its action is
+                                                  due to the environment (a tool call)
+    {"op": "env_step", "uid", "info"}             the environment stepped on it; the
+                                                  observation follows as fed tokens
 JSON keeps Python floats exact (repr round-trips), so the log-probs the loss later
 uses are bit-identical to what the engine sent. Opening replays the log; a torn last
 record (a crash mid-write: short header, short payload or bad CRC) is cut off, and
@@ -23,9 +29,9 @@ import json
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from fnrl.shell.files import write_atomic
 from fnrl.types import Segment
@@ -39,6 +45,14 @@ class PartialResponse:
     prompt_ids: tuple[int, ...]
     segments: tuple[Segment, ...]   # consecutive tokens of one version form one segment
     finish_reason: str | None       # None while still generating
+    env_steps: tuple[dict[str, Any], ...] = ()
+    """Multi-turn: the info of each environment step taken (the observations fed)."""
+    turn_closed: bool = False
+    """Multi-turn: the last sampled turn ended and its environment step is pending (a
+    tool call in flight when the trajectory was cut off)."""
+    outcome: dict[str, Any] | None = None
+    """Multi-turn: the finished episode's reward and tool facts, so a restarted
+    controller rewards it as the environment graded it."""
 
     @property
     def num_tokens(self) -> int:
@@ -77,10 +91,28 @@ class PartialResponsePool:
             record["fed"] = True
         self._write(record)
 
-    def finish(self, uid: str, reason: str) -> None:
+    def finish(self, uid: str, reason: str, *, outcome: dict[str, Any] | None = None) -> None:
         if uid not in self._items:
             raise KeyError(f"trajectory {uid!r} was never started")
-        self._write({"op": "finish", "uid": uid, "reason": str(reason)})
+        self._write({"op": "finish", "uid": uid, "reason": str(reason),
+                     **({"outcome": outcome} if outcome is not None else {})})
+
+    def end_turn(self, uid: str) -> None:
+        """A multi-turn episode's sampled turn ended (its action goes to the environment)."""
+        self._live(uid)
+        self._write({"op": "turn_end", "uid": uid})
+
+    def env_step(self, uid: str, info: dict[str, Any]) -> None:
+        """The environment stepped on the last turn's action (its observation is appended
+        next, fed); `info` (JSON) is what a resumed environment is restored from."""
+        self._live(uid)
+        self._write({"op": "env_step", "uid": uid, "info": info})
+
+    def _live(self, uid: str) -> None:
+        if uid not in self._items:
+            raise KeyError(f"trajectory {uid!r} was never started")
+        if self._items[uid].finish_reason is not None:
+            raise ValueError(f"trajectory {uid!r} is finished")
 
     def drop(self, uid: str) -> None:
         if uid in self._items:
@@ -112,9 +144,16 @@ class PartialResponsePool:
                 records.append(_encode({"op": "tokens", "uid": item.uid, "v": s.version,
                                         "ids": list(s.token_ids), "lps": list(s.logprobs),
                                         **({"fed": True} if s.fed else {})}))
+            # Steps after the tokens: the pending-turn flag is the last record's state.
+            records += [_encode({"op": "env_step", "uid": item.uid, "info": info})
+                        for info in item.env_steps]
+            if item.turn_closed:
+                records.append(_encode({"op": "turn_end", "uid": item.uid}))
             if item.finish_reason is not None:
                 records.append(_encode({"op": "finish", "uid": item.uid,
-                                        "reason": item.finish_reason}))
+                                        "reason": item.finish_reason,
+                                        **({"outcome": item.outcome}
+                                           if item.outcome is not None else {})}))
         self._file.close()
         write_atomic(self.path, b"".join(records), fsync=True)
         self._file = open(self.path, "ab")
@@ -145,15 +184,23 @@ class PartialResponsePool:
             item = self._items[uid]
             segs = item.segments
             new = Segment(r["v"], tuple(r["ids"]), tuple(r["lps"]), bool(r.get("fed", False)))
-            if segs and (segs[-1].version, segs[-1].fed) == (new.version, new.fed):
+            # Fed segments stay whole: one per environment step (a resumed episode
+            # pairs each with its step's info).
+            if segs and not new.fed and (segs[-1].version, segs[-1].fed) == (new.version, False):
                 last = segs[-1]
                 new = Segment(last.version, last.token_ids + new.token_ids,
                               last.logprobs + new.logprobs, last.fed)
                 segs = segs[:-1]
-            self._items[uid] = PartialResponse(uid, item.prompt_ids, segs + (new,), None)
-        elif op == "finish":
+            self._items[uid] = replace(item, segments=segs + (new,), turn_closed=False)
+        elif op == "turn_end":
+            self._items[uid] = replace(self._items[uid], turn_closed=True)
+        elif op == "env_step":
             item = self._items[uid]
-            self._items[uid] = PartialResponse(uid, item.prompt_ids, item.segments, r["reason"])
+            self._items[uid] = replace(item, env_steps=item.env_steps + (r["info"],),
+                                       turn_closed=False)
+        elif op == "finish":
+            self._items[uid] = replace(self._items[uid], finish_reason=r["reason"],
+                                       outcome=r.get("outcome"))
         elif op == "drop":
             self._items.pop(uid, None)
 

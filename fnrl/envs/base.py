@@ -117,6 +117,11 @@ class Env(Protocol):
 
     async def close(self) -> None: ...
 
+    # Optional: `async def restore(self, problem, steps: Sequence[dict]) -> None` puts the
+    # environment in the state after the non-final steps whose infos are `steps`, so a
+    # cut-off episode resumes where it was (fnrl.envs.episode.Resume); an environment
+    # without it runs a cut-off episode afresh.
+
 
 EnvFactory = Callable[..., Env]
 ENVS: dict[str, EnvFactory] = {}

@@ -74,6 +74,14 @@ class ToolArithEnv(_OneProblem):
         self._problem, self._turns, self._results = problem, 0, []
         return problem.prompt
 
+    async def restore(self, problem: Problem, steps) -> None:
+        """The state after `steps` (each step's info, in order) on `problem`: a resumed
+        episode's (fnrl.envs.episode.Resume). Only the tool calls' outcomes are kept of
+        them, so a restored episode counts its calls and successes like an unbroken one."""
+        self._problem, self._turns = problem, len(steps)
+        self._results = [ToolResult(text="", reason=r) for info in steps
+                         for r in info.get("reasons", ())]
+
     async def step(self, action: str, *, num_tokens: int = 0) -> Step:
         problem = self.problem
         self._turns += 1

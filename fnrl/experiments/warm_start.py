@@ -29,6 +29,8 @@ from tqdm import tqdm
 from fnrl.config import ModelConfig, TaskConfig, WarmStartConfig, to_dict
 from fnrl.data.arith import (BOS, EOS, PAD, PromptStream, build_tokenizer, eval_problems,
                              save_tokenizer, solution)
+from fnrl.data.tool_arith import DEMO_MODES, ToolPromptStream, tool_eval_problems
+from fnrl.data.tool_arith import demonstration as tool_demonstration
 from fnrl.models.decoder import DecoderConfig, forward, init_model
 from fnrl.models.hf_io import save_pretrained
 from fnrl.trainer.step import TrainState, init_state, token_logprobs
@@ -49,41 +51,66 @@ def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> De
 def default_model_dir(model: ModelConfig, task: TaskConfig, warm: WarmStartConfig) -> Path:
     # Only the synthetic task's fields shape the warm start; a dataset path does not.
     synthetic = {k: getattr(task, k) for k in ("seed", "num_eval", "min_level", "max_level")}
+    tools = task.env == "tool_arith"
+    # The tool task's fields enter the recipe only for it: the math model's digest (and
+    # its cache) are what they were before the tool task had a warm start.
+    warm_fields = {k: v for k, v in to_dict(warm).items() if k != "cache_dir"
+                   and (tools or not k.startswith("tool_"))}
     recipe = {"v": _RECIPE_VERSION, "model": to_dict(model), "task": synthetic,
-              "warm_start": {k: v for k, v in to_dict(warm).items() if k != "cache_dir"}}
+              "warm_start": warm_fields, **({"env": task.env} if tools else {})}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(warm.cache_dir).expanduser() / f"tiny-qwen2-arith-{digest}"
+    name = "tiny-qwen2-toolarith" if tools else "tiny-qwen2-arith"
+    return Path(warm.cache_dir).expanduser() / f"{name}-{digest}"
 
 
 def encode_prompt(tok, prompt: str) -> list[int]:
     return [tok.token_to_id(BOS)] + tok.encode(prompt, add_special_tokens=False).ids
 
 
-def greedy_solves(argmax_fn, tok, problems, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Whether greedy decoding would write each problem's correct worked solution: one
-    teacher-forced pass, checking the argmax at every response position (greedy follows
-    the solution exactly when each of its tokens is the argmax there). `argmax_fn` maps
+def worked_solution(tok, problem) -> tuple[list[int], list[float]]:
+    """The arithmetic task's worked solution and EOS, every token sampled (mask 1)."""
+    ids = tok.encode(solution(problem.prompt), add_special_tokens=False).ids
+    return ids + [tok.token_to_id(EOS)], [1.0] * (len(ids) + 1)
+
+
+def tool_solution(tok, problem, mode: str = "tool",
+                  rng: random.Random | None = None) -> tuple[list[int], list[float]]:
+    """A tool-task demonstration (fnrl.data.tool_arith.demonstration) as ids and EOS,
+    with mask 0 on what the environment feeds (the calculator's result)."""
+    ids, mask = [], []
+    for text, sampled in tool_demonstration(problem, mode, rng=rng):
+        piece = tok.encode(text, add_special_tokens=False).ids
+        ids += piece
+        mask += [float(sampled)] * len(piece)
+    return ids + [tok.token_to_id(EOS)], mask + [1.0]
+
+
+def greedy_solves(argmax_fn, tok, problems, width: int, demo=worked_solution
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Whether greedy decoding would write each problem's correct solution (`demo`:
+    worked arithmetic, or the tool call with its result fed): one teacher-forced pass,
+    checking the argmax at every sampled response position (greedy follows the solution
+    exactly when each of its sampled tokens is the argmax there). `argmax_fn` maps
     tokens 32×width to the model's argmax next tokens (`model_argmax`).
 
     Returns (solved, answered): `solved` includes the EOS after the answer line,
     `answered` stops at the answer's last digit (right up to the teacher's slip)."""
-    eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
-    seqs = [(encode_prompt(tok, p.prompt), tok.encode(solution(p.prompt),
-                                                      add_special_tokens=False).ids + [eos])
-            for p in problems]
+    pad = tok.token_to_id(PAD)
+    seqs = [(encode_prompt(tok, p.prompt), *demo(tok, p)) for p in problems]
     solved, answered = [], []
     for lo in range(0, len(seqs), 32):   # 32 rows at a time: one compiled shape
         chunk = seqs[lo:lo + 32]
         input_BxT = np.full((32, width), pad, np.int32)
-        fits = [len(prompt) + len(response) - 1 <= width for prompt, response in chunk]
-        for i, (prompt, response) in enumerate(chunk):
+        fits = [len(prompt) + len(response) - 1 <= width for prompt, response, _ in chunk]
+        for i, (prompt, response, _) in enumerate(chunk):
             if fits[i]:
                 input_BxT[i, :len(prompt) + len(response) - 1] = (prompt + response)[:-1]
         argmax_BxT = np.asarray(argmax_fn(input_BxT))
-        for i, (prompt, response) in enumerate(chunk):
+        for i, (prompt, response, mask) in enumerate(chunk):
             # A solution longer than the model's context is one it cannot write.
             hit = (argmax_BxT[i, len(prompt) - 1:len(prompt) - 1 + len(response)] == response
                    if fits[i] else np.zeros(len(response), bool))
+            hit = hit | (np.asarray(mask) == 0)   # fed tokens are not the model's to write
             solved.append(bool(hit.all()))
             answered.append(bool(hit[:-1].all()))
     return np.array(solved), np.array(answered)
@@ -104,7 +131,7 @@ def demonstration(prompt: str, teacher: random.Random, error_rate: float) -> str
 
 def pack_rows(sequences: list[tuple[list[int], list[int]]], rows: int, width: int, pad_id: int
               ) -> tuple[dict[str, np.ndarray], int]:
-    """Packs (prompt, response) sequences whole, in order, into `rows` rows of `width`
+    """Packs (prompt, response[, response mask]) sequences whole, in order, into `rows` rows of `width`
     next-token positions; returns the arrays (with positions and segment ids, so a
     sequence attends only to itself) and how many sequences went in."""
     input_BxT = np.full((rows, width), pad_id, np.int32)
@@ -113,7 +140,7 @@ def pack_rows(sequences: list[tuple[list[int], list[int]]], rows: int, width: in
     positions_BxT = np.zeros((rows, width), np.int32)
     segments_BxT = np.zeros((rows, width), np.int32)   # 0: padding
     row, col, used = 0, 0, 0
-    for prompt, response in sequences:
+    for prompt, response, *response_mask in sequences:
         seq = prompt + response
         n = len(seq) - 1   # next-token positions this sequence fills
         if n > width:
@@ -125,7 +152,8 @@ def pack_rows(sequences: list[tuple[list[int], list[int]]], rows: int, width: in
                 break
         input_BxT[row, col:col + n] = seq[:-1]
         target_BxT[row, col:col + n] = seq[1:]
-        mask_BxT[row, col + len(prompt) - 1:col + n] = 1.0
+        # A response mask (tool demonstrations): fed ids are context, never targets.
+        mask_BxT[row, col + len(prompt) - 1:col + n] = response_mask[0] if response_mask else 1.0
         positions_BxT[row, col:col + n] = np.arange(n)
         segments_BxT[row, col:col + n] = used + 1
         col, used = col + n, used + 1
@@ -163,9 +191,16 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
     state = init_state(params, optimizer)
     step = jax.jit(functools.partial(sft_packed_step, graphdef=graphdef, optimizer=optimizer),
                    donate_argnums=0)
-    eval_set = eval_problems(task.seed, task.num_eval, task.min_level, task.max_level)
-    stream = PromptStream(task.seed, task.min_level, task.max_level, stream="sft",
-                          held_out=frozenset(p.prompt for p in eval_set))
+    tools = task.env == "tool_arith"
+    if tools:   # the tool task's problems; SFT prompts from a stream of their own
+        eval_set = tool_eval_problems(task.seed, task.num_eval)
+        stream = ToolPromptStream(-1 - task.seed, held_out=frozenset(p.prompt for p in eval_set))
+    else:
+        eval_set = eval_problems(task.seed, task.num_eval, task.min_level, task.max_level)
+        stream = PromptStream(task.seed, task.min_level, task.max_level, stream="sft",
+                              held_out=frozenset(p.prompt for p in eval_set))
+    modes, weights = DEMO_MODES, (warm.tool_call_rate, 1.0 - warm.tool_call_rate
+                                  - warm.tool_bad_call_rate, warm.tool_bad_call_rate)
     width = model.max_position_embeddings
     t0 = time.perf_counter()
     teacher = random.Random(f"{model.seed}:teacher")
@@ -173,11 +208,15 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
     examples = skipped = 0
     for _ in tqdm(range(warm.steps), desc="warm start (SFT)", unit="step"):
         # Enough demonstrations to fill the rows; what does not fit waits for the next step.
-        while sum(len(p) + len(r) for p, r in pending) < warm.batch_size * width:
+        while sum(len(p) + len(r) for p, r, *_ in pending) < warm.batch_size * width:
             for p in stream.take(16):
-                text = demonstration(p.prompt, teacher, warm.demo_error_rate)
-                demo = (encode_prompt(tok, p.prompt),
-                        tok.encode(text, add_special_tokens=False).ids + [ids[EOS]])
+                if tools:
+                    mode = teacher.choices(modes, weights=weights)[0]
+                    demo = (encode_prompt(tok, p.prompt), *tool_solution(tok, p, mode, teacher))
+                else:
+                    text = demonstration(p.prompt, teacher, warm.demo_error_rate)
+                    demo = (encode_prompt(tok, p.prompt),
+                            tok.encode(text, add_special_tokens=False).ids + [ids[EOS]])
                 # A model shorter than the longest solution (a test's) learns the rest.
                 if len(demo[0]) + len(demo[1]) - 1 <= width:
                     pending.append(demo)
@@ -186,7 +225,8 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
         arrays, used = pack_rows(pending, warm.batch_size, width, ids[PAD])
         pending, examples = pending[used:], examples + used
         state, metrics = step(state, arrays)
-    solved, answered = greedy_solves(model_argmax(graphdef, state.params), tok, eval_set, width)
+    solved, answered = greedy_solves(model_argmax(graphdef, state.params), tok, eval_set, width,
+                                     tool_solution if tools else worked_solution)
     with tempfile.TemporaryDirectory() as tok_dir:
         save_tokenizer(tok, Path(tok_dir))
         save_pretrained(out_dir, cfg, jax.device_get(state.params), tokenizer_dir=tok_dir)

@@ -88,12 +88,14 @@ class RolloutClient:
         request_id: str | None = None,
         top_p: float = 1.0,
         top_k: int = -1,
+        stop: Sequence[str] = (),
     ) -> list[Completion]:
-        """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable."""
+        """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable;
+        `stop` strings end a continuation (a multi-turn evaluation's tool calls)."""
         body = await self._completion_body(prompt_ids, n=n, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
                                            stop_token_ids=stop_token_ids, request_id=request_id,
-                                           top_p=top_p, top_k=top_k)
+                                           top_p=top_p, top_k=top_k, **_stops(stop))
         reply = await self._post("/v1/completions", body, self.timeout_s)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != n:
@@ -151,13 +153,11 @@ class RolloutClient:
         `stop`: strings that end the sample (a tool call's closing tag); the ids that
         made the string are streamed like any other.
         """
-        # Only a multi-turn turn sends stop strings: a single-turn request is unchanged.
-        stops = {"stop": list(stop), "include_stop_str_in_output": True} if stop else {}
         body = await self._completion_body(prompt_ids, n=1, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
                                            stop_token_ids=stop_token_ids, request_id=request_id,
                                            top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
-                                           stream=True, **stops)
+                                           stream=True, **_stops(stop))
         url = self.base_url + "/v1/completions"
         for attempt in range(2):
             yielded = False
@@ -326,3 +326,9 @@ def _same_version(results: list, base_url: str) -> int:
     if len(versions) != 1:
         raise ServerError(f"server {base_url}: workers serve different versions {versions}")
     return versions.pop()
+
+
+def _stops(stop: Sequence[str]) -> dict:
+    """Stop strings, kept in the output (a tool call's closing tag is part of the turn).
+    Only a multi-turn turn sends them: a single-turn request is unchanged."""
+    return {"stop": list(stop), "include_stop_str_in_output": True} if stop else {}

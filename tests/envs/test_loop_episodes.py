@@ -10,6 +10,7 @@ import pytest
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.control.episodes import stream_episode
 from fnrl.data.partial_pool import PartialResponsePool
+from fnrl.envs.base import InlineCalculator
 from fnrl.serving.client import StreamChunk
 from fnrl.trainer.batching import build_batch, make_batch
 from fnrl.types import Group, Problem, Segment, Trajectory
@@ -174,3 +175,228 @@ def test_an_episode_streams_every_turn_into_the_pool_verbatim(tmp_path):
     assert p1 == prompt and stop1 == ("</calc>",) and budget1 == 64
     assert p2 == prompt + tuple(call) + tuple(fed) and budget2 == 64 - len(call) - len(fed)
     assert sum(seen) == len(call) + len(answer)
+
+
+class CountingCalculator:
+    """The inline calculator, counting calls; `block` makes calls wait until released
+    (a tool call in flight when its trajectory is cut off)."""
+
+    def __init__(self, block: bool = False):
+        self.calls, self.block, self.entered = 0, block, asyncio.Event()
+
+    async def call(self, name, arguments):
+        self.calls += 1
+        self.entered.set()
+        if self.block:
+            await asyncio.Event().wait()   # never released: cancelled with its episode
+        return await InlineCalculator().call(name, arguments)
+
+
+class DyingRollout(ScriptedRollout):
+    """Streams `keep` chunks of its one turn, then fails like a lost server."""
+
+    def __init__(self, turn, keep):
+        super().__init__([turn])
+        self.keep = keep
+
+    async def generate_stream(self, prompt_ids, **kw):
+        n = 0
+        async for chunk in super().generate_stream(prompt_ids, **kw):
+            if n == self.keep:
+                raise ConnectionError("server lost")
+            n += 1
+            yield chunk
+
+
+PROBLEM = Problem(uid="q", prompt="12*34=", answer="408", level=4)
+PROMPT = tuple(CharCodec.encode(PROBLEM.prompt))
+CALL, FED, ANSWER = (tuple(CharCodec.encode(x)) for x in
+                     ("<calc>12*34</calc>", "<result>408</result>", "\n#### 408"))
+
+
+def _episode(pool, rollout, runner, version):
+    return stream_episode(
+        env_name="tool_arith", runner=runner, problem=PROBLEM, prompt_ids=PROMPT, uid="q/0",
+        pool=pool, handle=rollout, version=lambda: version, encode_text=CharCodec.encode,
+        decode=CharCodec.decode, stop_ids=(EOS,), max_new_tokens=64,
+        sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, seed=None),
+        request_id=f"q/0#{version}", on_tokens=lambda n: None)
+
+
+def test_a_pending_tool_call_survives_a_cut_and_a_controller_restart(tmp_path):
+    """Cut off while its tool call runs, the episode resumes from the pool (reopened, as
+    by a restarted controller): the sampled call is not sampled again, the call is run
+    again, and the turns before it are intact."""
+    blocked = CountingCalculator(block=True)
+
+    async def cut_during_the_call(pool):
+        task = asyncio.create_task(_episode(pool, ScriptedRollout(["<calc>12*34</calc>"]),
+                                            blocked, version=3))
+        await blocked.entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        asyncio.run(cut_during_the_call(pool))
+        cut = pool.get("q/0")
+    assert [s.token_ids for s in cut.segments] == [CALL]
+    assert cut.turn_closed and cut.env_steps == () and cut.finish_reason is None
+
+    calc, rollout = CountingCalculator(), ScriptedRollout(["\n#### 408"])
+    resumed = []
+    with PartialResponsePool(tmp_path / "pool.log") as pool:   # a restarted controller
+        out = asyncio.run(stream_episode(
+            env_name="tool_arith", runner=calc, problem=PROBLEM, prompt_ids=PROMPT, uid="q/0",
+            pool=pool, handle=rollout, version=lambda: 4, encode_text=CharCodec.encode,
+            decode=CharCodec.decode, stop_ids=(EOS,), max_new_tokens=64,
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, seed=None),
+            request_id="q/0#2", on_tokens=lambda n: None, on_resumed=resumed.append))
+        item = pool.get("q/0")
+    assert out.resumed and resumed == [len(CALL)]
+    assert (out.reward, out.turns, out.tool_calls, out.tool_ok) == (1.0, 2, 1, 1)
+    assert calc.calls == 1 and len(rollout.requests) == 1
+    assert rollout.requests[0][0] == PROMPT + CALL + FED   # generation went on after the result
+    assert [(s.version, s.token_ids, s.fed) for s in item.segments] == [
+        (3, CALL, False), (3, FED, True), (4, ANSWER, False)]
+    assert item.segments[0] == cut.segments[0]   # the first turn's ids and log-probs, intact
+
+
+def test_a_turn_cut_off_mid_way_is_continued_on_the_next_rollout(tmp_path):
+    """A rollout lost mid-turn: the next placement continues the same turn (its two
+    pieces are one action for the environment) under its own version."""
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        with pytest.raises(ConnectionError):
+            asyncio.run(_episode(pool, DyingRollout("<calc>12*34</calc>", keep=3), None, 3))
+        assert pool.get("q/0").segments[0].token_ids == CALL[:6]
+        assert not pool.get("q/0").turn_closed
+        rest = CharCodec.decode(CALL[6:])
+        rollout = ScriptedRollout([rest, "\n#### 408"])
+        out = asyncio.run(_episode(pool, rollout, None, 5))
+        item = pool.get("q/0")
+    assert out.resumed and (out.reward, out.tool_calls, out.tool_ok) == (1.0, 1, 1)
+    assert rollout.requests[0][0] == PROMPT + CALL[:6]
+    assert [(s.version, s.token_ids, s.fed) for s in item.segments] == [
+        (3, CALL[:6], False), (5, CALL[6:], False), (5, FED, True), (5, ANSWER, False)]
+    # One staleness unit: V_traj is the oldest sampled token's version.
+    traj = Trajectory(uid="q/0", prompt_ids=PROMPT, segments=item.segments, finish_reason="stop")
+    assert traj.version == 3 and traj.num_sampled_turns == 2
+
+
+def test_an_environment_without_restore_runs_a_cut_episode_afresh(tmp_path, monkeypatch):
+    from fnrl.envs.builtin import ToolArithEnv
+
+    monkeypatch.delattr(ToolArithEnv, "restore")
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        with pytest.raises(ConnectionError):
+            asyncio.run(_episode(pool, DyingRollout("<calc>12*34</calc>", keep=3), None, 3))
+        rollout = ScriptedRollout(["<calc>12*34</calc>", "\n#### 408"])
+        out = asyncio.run(_episode(pool, rollout, None, 5))
+        item = pool.get("q/0")
+    assert not out.resumed and out.reward == 1.0
+    assert rollout.requests[0][0] == PROMPT   # from the prompt: the cut turn is gone
+    assert [(s.version, s.token_ids) for s in item.segments] == [(5, CALL), (5, FED), (5, ANSWER)]
+
+
+def test_a_finished_episodes_grade_survives_a_controller_restart(tmp_path):
+    """The environment's reward and tool facts go with the finish record (and through a
+    compaction), so a restarted controller rewards the episode as it was graded."""
+    from dataclasses import asdict
+
+    from fnrl.control.episodes import EpisodeOutcome
+
+    graded = EpisodeOutcome(reward=1.0, finish_reason="done", turns=2, tool_calls=1,
+                            tool_ok=1, resumed=True)
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        pool.start("q/0", PROMPT)
+        pool.append("q/0", 3, CALL, (-0.5,) * len(CALL))
+        pool.finish("q/0", "done", outcome=asdict(graded))
+        pool.start("s", PROMPT)
+        pool.finish("s", "stop")
+    for compact in (False, True, False):   # the last reads the compacted log
+        with PartialResponsePool(tmp_path / "pool.log") as pool:
+            assert EpisodeOutcome(**pool.get("q/0").outcome) == graded
+            assert pool.get("s").outcome is None
+            if compact:
+                pool.compact()
+
+
+def test_held_out_evaluation_of_a_tool_task_runs_graded_episodes():
+    """score_heldout on a multi-turn environment: each problem is an episode (the tool
+    called at its stop string, its result fed), graded by the environment; a response
+    without the call is wrong here, so the record is the episodes' accuracy."""
+    from fnrl.config import EvalConfig, RunConfig, TaskConfig
+    from fnrl.control.book import TaskIO
+    from fnrl.control.eval_lane import score_heldout
+    from fnrl.serving.client import Completion
+
+    wrong = Problem(uid="w", prompt="12*35=", answer="420", level=4)
+    requests = []
+
+    async def generate(prompt_ids, *, n, max_tokens, temperature, seed=None,
+                       stop_token_ids=(), top_p=1.0, top_k=-1, stop=()):
+        requests.append((tuple(prompt_ids), tuple(stop), temperature))
+        text = CharCodec.decode(prompt_ids)
+        if text.endswith("</result>"):
+            reply = "\n#### " + text.split("<result>")[-1].split("</result>")[0]
+        elif text.startswith("12*34"):
+            reply = "<calc>12*34</calc>"
+        else:
+            reply = "#### 419"   # a guess, no call
+        # A call ends at its stop string; an answer at EOS.
+        ids = tuple(CharCodec.encode(reply)) + (() if reply.endswith("</calc>") else (EOS,))
+        return [Completion(token_ids=ids, logprobs=(-0.1,) * len(ids), finish_reason="stop")]
+
+    task = TaskIO(prompts=None, eval_set=(PROBLEM, wrong),
+                  encode=lambda s: list(CharCodec.encode(s)), decode=CharCodec.decode,
+                  reward_fn=None, stop_ids=(EOS,), pad_id=0, seq_len=64,
+                  encode_text=CharCodec.encode)
+    cfg = RunConfig(task=TaskConfig(env="tool_arith"), eval=EvalConfig(samples=0))
+    record = asyncio.run(score_heldout(generate, task, cfg, reward=None))
+    assert record["accuracy"] == 0.5
+    # The called problem took two turns: the second went on from the fed result.
+    assert (PROMPT + CALL + FED, ("</calc>",), 0.0) in requests
+    assert len(requests) == 3
+
+
+def test_a_failing_environment_is_tried_again_from_scratch_then_reported(tmp_path, monkeypatch):
+    """An environment that raises is the environment's failure (EnvError, named), not the
+    rollout's: the episode runs again from scratch, and after the second failure its
+    outcome is "env_error" (the loop drops the group and counts it)."""
+    from fnrl.control.episodes import ENV_ATTEMPTS
+    from fnrl.envs.base import ENVS
+    from fnrl.envs.builtin import ToolArithEnv
+
+    failures = {"left": 1}
+
+    class FlakyEnv(ToolArithEnv):
+        async def step(self, action, *, num_tokens=0):
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                raise KeyError("lost its state")
+            return await super().step(action, num_tokens=num_tokens)
+
+    monkeypatch.setitem(ENVS, "tool_arith", FlakyEnv)
+    errors = []
+
+    def episode(pool, rollout):
+        return stream_episode(
+            env_name="tool_arith", runner=None, problem=PROBLEM, prompt_ids=PROMPT, uid="q/0",
+            pool=pool, handle=rollout, version=lambda: 1, encode_text=CharCodec.encode,
+            decode=CharCodec.decode, stop_ids=(EOS,), max_new_tokens=64,
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, seed=None),
+            request_id="q/0#1", on_tokens=lambda n: None, on_env_error=errors.append)
+
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        rollout = ScriptedRollout(["<calc>12*34</calc>", "<calc>12*34</calc>", "\n#### 408"])
+        out = asyncio.run(episode(pool, rollout))
+        assert out.reward == 1.0 and len(errors) == 1
+        assert "'tool_arith' step failed: KeyError" in str(errors[0])
+        # The second attempt started from the prompt: the first one's turn is gone.
+        assert [s.token_ids for s in pool.get("q/0").segments] == [CALL, FED, ANSWER]
+
+        failures["left"], errors[:] = ENV_ATTEMPTS, []
+        pool.drop("q/0")
+        out = asyncio.run(episode(pool, ScriptedRollout(["<calc>12*34</calc>"] * ENV_ATTEMPTS)))
+    assert (out.finish_reason, out.reward) == ("env_error", None) and len(errors) == ENV_ATTEMPTS
+    assert "KeyError" in out.error

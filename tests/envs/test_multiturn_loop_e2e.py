@@ -1,23 +1,32 @@
 """Multi-turn episodes through the whole loop: real vLLM, relay, trainer and sandbox.
 
-The embedded model was warm-started on worked arithmetic, not on tool calls, so it
-seldom writes "<calc>": `tool_arith` runs but its episodes are mostly one turn. The
-first test therefore puts, under the name "tool_arith" in the controller's registry
-(the trainer process validates the name only), an environment whose turns end at each
-comma (the warm-started model's worked lines read "2*34+0=68, r=8") and whose every
-turn calls the calculator in the real sandbox, so episodes have several turns (the
-embedded tokenizer's encoder drops whitespace, so the fed text has none); the second runs
-`--task.env tool_arith` itself.
+The first tests use the math task's warm-started model (worked arithmetic, not tool
+calls) and put, under the name "tool_arith" in the controller's registry (the trainer
+process validates the name only), an environment whose turns end at each comma (the
+model's worked lines read "2*34+0=68, r=8") and whose every turn calls the calculator in
+the real sandbox, so episodes have several turns whatever the model knows of tool calls
+(the embedded tokenizer's encoder drops whitespace, so the fed text has none); one runs
+`--task.env tool_arith` itself, warm-started on tool calls.
 """
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.control.metrics import read_jsonl
+from fnrl.control.roles import read_roles
+from fnrl.data.partial_pool import PartialResponsePool
+from fnrl.sandbox.pool import SandboxPool
 from fnrl.data.reward import math_reward
 from fnrl.envs.base import ENVS, Step
-from fnrl.experiments.math_grpo import main
+from fnrl.experiments.math_grpo import main, parse_config
+from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.trainer.batching import build_batch
 from fnrl.types import Segment, Trajectory
 
@@ -63,8 +72,19 @@ class CommaCalcEnv:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """One warm-started model cache for both runs."""
+    """One warm-started model cache for every run."""
     return str(tmp_path_factory.mktemp("model_cache"))
+
+
+@pytest.fixture(scope="module")
+def arith_model(cache_dir):
+    """`--model.model-dir` of the math task's warm-started model: the comma environments
+    need its worked lines, where `--task.env tool_arith` alone would warm-start on tool
+    calls."""
+    cfg = parse_config(["--warm-start.cache-dir", cache_dir, *SMALL])
+    model_dir = ensure_default_model(cfg.model, dataclasses.replace(cfg.task, env="math"),
+                                     cfg.warm_start)
+    return ["--model.model-dir", str(model_dir)]
 
 
 def logged_trajectories(run_dir):
@@ -83,11 +103,11 @@ def logged_trajectories(run_dir):
 
 
 def test_multi_turn_episodes_train_on_the_sampled_ids_with_tool_results_masked(
-        tmp_path, cache_dir, monkeypatch):
+        tmp_path, cache_dir, arith_model, monkeypatch):
     monkeypatch.setitem(ENVS, "tool_arith", CommaCalcEnv)
     run_dir = tmp_path / "run"
     assert main(["--steps", "3", "--run-dir", str(run_dir), "--task.env", "tool_arith",
-                 "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
+                 "--warm-start.cache-dir", cache_dir, *SMALL, *arith_model]) == 0
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert max(r["turns_mean"] for r in train) > 1.0
@@ -134,3 +154,81 @@ def test_tool_arith_runs_through_the_loop(tmp_path, cache_dir):
     assert names and all(n.startswith("tool-train-") for n in names)
     for t in (t for gs in logged_trajectories(run_dir).values() for g in gs for t in g):
         assert t.response_ids and len(t.loss_mask) == len(t.response_ids)
+
+
+class CutCommaCalcEnv(CommaCalcEnv):
+    """CommaCalcEnv that a resumed episode can restore (each step's info keeps its
+    action and its calls' outcomes). The first tool call of the run kills rollout0's
+    vLLM server and then waits, like a slow tool, until the loop moves its trajectory
+    off the dead rollout (cancelling the call); `cut` notes where the pool's log stood."""
+
+    run_dir = None
+    cut: dict = {}
+
+    async def step(self, action, *, num_tokens=0):
+        # Training episodes' tools run in the sandbox; held-out ones inline (not cut).
+        training = isinstance(self.runner, SandboxPool)
+        if training and not self.cut and self.turns + 1 < MAX_TURNS and action.endswith(","):
+            log = self.run_dir / "partial_responses.log"
+            self.cut["pool_bytes"] = log.stat().st_size
+            os.kill(int(read_roles(self.run_dir / "roles.json")["rollout0"]["pid"]),
+                    signal.SIGKILL)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            raise RuntimeError("the loop never cut off the episode of a dead rollout")
+        step = await super().step(action, num_tokens=num_tokens)
+        if step.done:
+            return step
+        return dataclasses.replace(step, info={"action": action, "ok": self.ok})
+
+    async def restore(self, problem, steps):
+        self.problem, self.turns, self.calls = problem, len(steps), len(steps)
+        self.text = "".join(s["action"] for s in steps)
+        self.ok = steps[-1]["ok"] if steps else 0
+
+
+def test_a_rollout_killed_during_a_tool_call_resumes_its_episodes_elsewhere(
+        tmp_path, cache_dir, arith_model, monkeypatch):
+    """Every episode in flight when rollout0 died, the one waiting on its tool call
+    included, is consumed once, beginning with exactly the ids (and log-probs) it had
+    before the kill: its earlier turns are intact and its tool call ran again."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(CutCommaCalcEnv, "run_dir", run_dir)
+    monkeypatch.setattr(CutCommaCalcEnv, "cut", {})
+    monkeypatch.setitem(ENVS, "tool_arith", CutCommaCalcEnv)
+    assert main(["--steps", "4", "--run-dir", str(run_dir), "--task.env", "tool_arith",
+                 "--warm-start.cache-dir", cache_dir, *SMALL, *arith_model]) == 0
+    assert CutCommaCalcEnv.cut, "no episode called its tool"
+    faults = read_jsonl(run_dir / "faults.jsonl")
+    assert {"failure", "recovered"} <= {f["event"] for f in faults if f.get("role") == "rollout0"}
+    # The pool as it stood at the kill: a copy of its log up to that point.
+    snapshot_log = tmp_path / "pool_at_kill.log"
+    snapshot_log.write_bytes((run_dir / "partial_responses.log").read_bytes()
+                             [:CutCommaCalcEnv.cut["pool_bytes"]])
+    with PartialResponsePool(snapshot_log) as snap:
+        before = {uid: snap.get(uid) for uid in snap.live()}
+    pending = [u for u, item in before.items() if item.turn_closed and item.finish_reason is None]
+    assert pending, "the episode whose tool call was cut off is not in the pool"
+    consumed = {}
+    for g in read_jsonl(run_dir / "trajectories.jsonl"):
+        for t in g["trajectories"]:
+            assert t["uid"] not in consumed, f"{t['uid']} consumed twice"
+            consumed[t["uid"]] = t
+    assert set(pending) <= set(consumed), "a cut-off episode was never consumed"
+    for uid, item in before.items():
+        if uid not in consumed or not item.segments:
+            continue
+        t = consumed[uid]
+        ids = [i for seg in t["token_ids"] for i in seg]
+        lps = [x for seg in t["logprobs"] for x in seg]
+        fed = t.get("fed", [False] * len(t["segments"]))
+        mask = [0 if f else 1 for f, seg in zip(fed, t["token_ids"]) for _ in seg]
+        kept = [i for s in item.segments for i in s.token_ids]
+        assert ids[:len(kept)] == kept, f"{uid}: its turns before the kill changed"
+        assert lps[:len(kept)] == [x for s in item.segments for x in s.logprobs]
+        assert mask[:len(kept)] == [0 if s.fed else 1 for s in item.segments for _ in s.token_ids]
+        if uid in pending:   # the call ran again: its result is fed right after the turn
+            assert len(ids) > len(kept) and mask[len(kept)] == 0
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train[-1]["episodes_resumed"] >= len([u for u in pending if u in consumed])

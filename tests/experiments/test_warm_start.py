@@ -100,3 +100,77 @@ def test_greedy_check_finds_where_greedy_leaves_the_solution(tiny):
     # The real model's argmax: a random model writes no worked solution.
     solved, _ = greedy_solves(model_argmax(graphdef, params), tok, problems[:4], width=128)
     assert not solved.any()
+
+
+def test_tool_demonstrations_train_only_on_what_the_model_writes(tiny):
+    """A tool demonstration's fed result is context: packed with mask 0 (the rest 1), and
+    the greedy check does not ask the model to write it."""
+    from fnrl.data.tool_arith import tool_eval_problems
+    from fnrl.experiments.warm_start import tool_solution
+
+    tok, ids, *_ = tiny
+    problem = tool_eval_problems(0, 1)[0]
+    response, mask = tool_solution(tok, problem)
+    text = tok.decode(response, skip_special_tokens=False)
+    fed = f"<result>{problem.answer}</result>"
+    assert text.startswith(f"<calc>{problem.prompt.rstrip('=')}</calc>{fed}")
+    start = text.index(fed)
+    assert mask == [0.0 if start <= i < start + len(fed) else 1.0 for i in range(len(response))]
+    prompt = encode_prompt(tok, problem.prompt)
+    packed, used = pack_rows([(prompt, response, mask)], rows=1, width=128, pad_id=ids[PAD])
+    assert used == 1
+    assert packed["mask_BxT"][0, len(prompt) - 1:len(prompt) - 1 + len(response)].tolist() == mask
+    assert packed["mask_BxT"].sum() == sum(mask)
+
+    seq = prompt + response
+
+    def writes_all_but_the_result(tokens_BxT):
+        out = np.full(tokens_BxT.shape, ids[PAD], np.int32)
+        out[0, :len(seq) - 1] = seq[1:]
+        # Wrong wherever the result is fed: the check must not count it.
+        for i, m in enumerate(mask):
+            if m == 0:
+                out[0, len(prompt) - 1 + i] = ids[PAD]
+        return out
+
+    solved, _ = greedy_solves(writes_all_but_the_result, tok, [problem], 128, tool_solution)
+    assert solved.tolist() == [True]
+
+
+def test_the_tool_task_has_a_warm_start_of_its_own_and_the_math_one_is_unchanged():
+    import dataclasses
+
+    from fnrl.config import RunConfig
+    from fnrl.experiments.warm_start import default_model_dir
+
+    cfg = RunConfig()
+    math_dir = default_model_dir(cfg.model, cfg.task, cfg.warm_start)
+    # The tool fields do not enter the math recipe (its cache is the one built before).
+    other = dataclasses.replace(cfg.warm_start, tool_call_rate=0.9)
+    assert default_model_dir(cfg.model, cfg.task, other) == math_dir
+    tool_task = dataclasses.replace(cfg.task, env="tool_arith")
+    tool_dir = default_model_dir(cfg.model, tool_task, cfg.warm_start)
+    assert tool_dir != math_dir and tool_dir.name.startswith("tiny-qwen2-toolarith-")
+    assert default_model_dir(cfg.model, tool_task, other) != tool_dir
+
+
+def test_the_tool_warm_start_builds_a_model_that_loads(tmp_path):
+    """The whole tool-task warm start (demonstrations with fed results, packing, the
+    greedy check over tool solutions) on a tiny model for a few steps."""
+    import json
+
+    from fnrl.config import TaskConfig, WarmStartConfig
+    from fnrl.experiments.warm_start import ensure_default_model
+    from fnrl.models.hf_io import load_pretrained
+
+    model = ModelConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=64)
+    out = ensure_default_model(model, TaskConfig(env="tool_arith", num_eval=8),
+                               WarmStartConfig(steps=3, batch_size=2, cache_dir=str(tmp_path)))
+    assert out.name.startswith("tiny-qwen2-toolarith-")
+    info = json.loads((out / "warm_start.json").read_text())
+    assert info["demonstrations"] > 0 and np.isfinite(info["sft_loss"])
+    assert 0.0 <= info["heldout_greedy_accuracy"] <= 1.0
+    cfg, _, params = load_pretrained(out)
+    assert cfg.max_position_embeddings == 64 and params

@@ -152,15 +152,16 @@ def test_partial_pool_round_trips_multiturn(tmp_path_factory, mts, data, compact
     """Whatever the chunking and the interleaving of trajectories, the pool rebuilds each
     trajectory's segments exactly (a fed turn never merges into the sampled segment of
     the same version before it), through a reopen and a compaction, so the loss mask
-    and V_traj come back too."""
+    and V_traj come back too, with each environment step's info."""
     path = tmp_path_factory.mktemp("pool") / "pool.log"
     trs = [dataclasses.replace(tr, uid=str(i)) for i, (tr, _) in enumerate(mts)]
     writes = []   # (uid, segment piece), each trajectory's pieces in order
     for tr in trs:
         pieces = []
         for s in tr.segments:
+            # Sampled turns stream in chunks; an observation is fed whole, after its step.
             cuts = sorted(data.draw(hst.sets(hst.integers(1, len(s.token_ids) - 1), max_size=2))
-                          if len(s.token_ids) > 1 else [])
+                          if len(s.token_ids) > 1 and not s.fed else [])
             for a, b in zip([0, *cuts], [*cuts, len(s.token_ids)]):
                 pieces.append((tr.uid, Segment(s.version, s.token_ids[a:b], s.logprobs[a:b],
                                                s.fed)))
@@ -173,6 +174,8 @@ def test_partial_pool_round_trips_multiturn(tmp_path_factory, mts, data, compact
         pool.append("gone", 0, [2], [-1.0])
         for i in order:
             uid, s = writes[i].pop(0)
+            if s.fed:
+                pool.env_step(uid, {"reasons": ["ok"], "at": len(pool.get(uid).segments)})
             pool.append(uid, s.version, s.token_ids, s.logprobs, fed=s.fed)
         pool.drop("gone")
         if compact:
@@ -184,6 +187,9 @@ def test_partial_pool_round_trips_multiturn(tmp_path_factory, mts, data, compact
             back = Trajectory(tr.uid, item.prompt_ids, item.segments, "stop")
             assert item.prompt_ids == tr.prompt_ids and item.segments == tr.segments
             assert back.loss_mask == tr.loss_mask and back.version == tr.version
+            # One environment step per fed turn, in order, for a resumed episode.
+            fed_at = [k for k, seg in enumerate(tr.segments) if seg.fed]
+            assert [st["at"] for st in item.env_steps] == fed_at
 
 
 def _decisions(tr, state, inst_versions, ps_version):
