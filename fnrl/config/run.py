@@ -183,8 +183,8 @@ class WarmStartConfig:
     tool_call_rate: float = 0.3
     """With `task.env tool_arith`, the warm start's demonstrations are the tool task's
     (fnrl.data.tool_arith.demonstration): this fraction calls the calculator and copies
-    its result, `tool_bad_call_rate` misspells the call's closing tag (no result comes
-    back) and guesses, and the rest guess without a call, so greedy decoding starts
+    its result, `tool_bad_call_rate` misspells the call's closing tag (the environment
+    answers with an error) and guesses, and the rest guess without a call, so greedy decoding starts
     out guessing and RL has tool use to learn."""
     tool_bad_call_rate: float = 0.1
     cache_dir: str = "~/.cache/fnrl/models"

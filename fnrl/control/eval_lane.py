@@ -20,13 +20,14 @@ same thing wherever it was made.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 
 from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.handles import EvalServerHandle, RelayTierHandle, ServerError
 from fnrl.data.eval_metrics import ProblemScore, eval_record, finite_or_zero, sample_seed
-from fnrl.control.episodes import env_kwargs
+from fnrl.control.episodes import EnvError, GuardedEnv, env_kwargs
 from fnrl.envs.base import InlineCalculator, ToolRunner
 from fnrl.envs.episode import run_episode
 from fnrl.envs.registry import make_env
@@ -57,13 +58,18 @@ async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn
     (the run's sandbox; None: the calculator, inline)."""
     k, algo = cfg.eval.samples, cfg.algo
     stop = list(task.stop_ids)
+    env_errors: list[str] = []   # held-out episodes whose environment failed: reward 0
 
     async def response_reward(prompt_ids, problem, *, temperature, seed, top_p=1.0,
                               top_k=-1) -> float:
         if cfg.task.env != "math":   # a multi-turn environment grades its own episode
-            return finite_or_zero(await episode_reward(
-                generate, task, cfg, problem, prompt_ids, temperature=temperature, seed=seed,
-                top_p=top_p, top_k=top_k, tools=tools or InlineCalculator()))
+            try:
+                return finite_or_zero(await episode_reward(
+                    generate, task, cfg, problem, prompt_ids, temperature=temperature,
+                    seed=seed, top_p=top_p, top_k=top_k, tools=tools or InlineCalculator()))
+            except EnvError as err:   # the environment's failure scores 0, counted
+                env_errors.append(f"{problem.uid}: {err}")
+                return 0.0
         (c,) = await generate(prompt_ids, n=1, max_tokens=algo.max_new_tokens,
                               temperature=temperature, seed=seed, stop_token_ids=stop,
                               top_p=top_p, top_k=top_k)
@@ -79,7 +85,11 @@ async def score_heldout(generate, task: TaskIO, cfg: RunConfig, reward: RewardFn
         return ProblemScore(level=problem.level, greedy=greedy_r, samples=tuple(sample_r))
 
     scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(task.eval_set)))
-    return eval_record(scores, k=k)
+    record = eval_record(scores, k=k)
+    if cfg.task.env != "math":
+        record["env_errors"] = len(env_errors)
+        record["env_error_examples"] = env_errors[:3]
+    return record
 
 
 async def episode_reward(generate, task: TaskIO, cfg: RunConfig, problem, prompt_ids, *,
@@ -88,8 +98,8 @@ async def episode_reward(generate, task: TaskIO, cfg: RunConfig, problem, prompt
     """One held-out episode of the run's environment (`task.env`), its tools run by
     `tools`, each turn one request ending at the environment's stop strings: the reward
     it grades. The same turns, budget and stop strings as training
-    (fnrl.control.episodes)."""
-    env = make_env(cfg.task.env, **env_kwargs(cfg.task.env, tools))
+    (fnrl.control.episodes). The environment's failures are EnvErrors."""
+    env = GuardedEnv(make_env(cfg.task.env, **env_kwargs(cfg.task.env, tools)), cfg.task.env)
     max_new = cfg.algo.max_new_tokens
 
     async def turn(context, stop_strings) -> SampledTurn:
@@ -103,10 +113,12 @@ async def episode_reward(generate, task: TaskIO, cfg: RunConfig, problem, prompt
 
     try:
         episode = await run_episode(env, problem, generate=turn,
-                                    encode_prompt=lambda _: prompt_ids, encode=task.encode_text,
+                                    encode_prompt=lambda _: prompt_ids,
+                                    encode=env.guard(task.encode_text),
                                     decode=task.decode, max_context=len(prompt_ids) + max_new)
     finally:
-        await env.close()
+        with contextlib.suppress(EnvError):
+            await env.close()
     return episode.reward
 
 

@@ -21,6 +21,8 @@ The dataset reader makes that a bad row.
 
 from __future__ import annotations
 
+import functools
+import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,11 +148,21 @@ class ChatTokenizer:
             names = [self.hf.convert_ids_to_tokens(i) for i in special]
             raise UnrepresentablePrompt(f"contains the special token(s) {names} as text")
         back = self.hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        # Canonically equivalent text (a normalizer's NFC, as Qwen's has) is the same text.
+        # Canonically equivalent text (a normalizer's NFC, as Qwen's has) is the same text,
+        # and so is text that differs in whitespace alone for a tokenizer that drops all
+        # of it (the embedded character-level one: its model never sees whitespace).
         nfc = unicodedata.normalize
-        if back != text and nfc("NFC", back) != nfc("NFC", text):
+        if back != text and nfc("NFC", back) != nfc("NFC", text) and not (
+                self.drops_whitespace and _squeezed(back) == _squeezed(text)):
             raise UnrepresentablePrompt(f"does not decode back to itself (got {back[:60]!r})")
         return ids
+
+    @functools.cached_property
+    def drops_whitespace(self) -> bool:
+        """Whether the tokenizer's encoder drops whitespace (every text loses it alike)."""
+        probe = "a b\tc\nd"
+        ids = self.hf.encode(probe, add_special_tokens=False)
+        return self.hf.decode(ids, clean_up_tokenization_spaces=False) == "abcd"
 
     def user_message(self, prompt: str) -> str:
         """The user turn: prompt_format with the prompt in place of "{prompt}"."""
@@ -172,3 +184,7 @@ class ChatTokenizer:
         """The text of `ids` (special tokens left out unless asked for)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
                               clean_up_tokenization_spaces=False)
+
+
+def _squeezed(text: str) -> str:
+    return re.sub(r"\s+", "", text)

@@ -70,7 +70,8 @@ def demonstration(problem: Problem, mode: str = "tool", *,
 
     mode "tool": the call, its result, the answer. "guess": no call, an answer off in its
     low digits (what a model without the tool does). "bad_call": the call with its
-    closing tag misspelt, so no result comes back, then a guess.
+    closing tag misspelt, then a guess (in the loop the environment answers the
+    unclosed call with an error and the episode goes on).
     """
     if mode not in DEMO_MODES:
         raise ValueError(f"demonstration mode={mode!r} must be one of {DEMO_MODES}")

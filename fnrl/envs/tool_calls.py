@@ -59,7 +59,9 @@ _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
 def parse_calc(text: str) -> ParsedAction:
-    """`<calc>expr</calc>` spans -> calculator calls (an empty expression is an error)."""
+    """`<calc>expr</calc>` spans -> calculator calls. An empty expression is an error, and
+    so is a `<calc>` never closed (a misspelt or missing `</calc>`): an attempted call
+    that failed, which the model is told of and the success rate counts."""
     calls, errors = [], []
     for m in _CALC.finditer(text):
         expr = m.group(1).strip()
@@ -67,7 +69,14 @@ def parse_calc(text: str) -> ParsedAction:
             calls.append(ToolCall(name="calculator", arguments={"expression": expr}))
         else:
             errors.append("empty <calc></calc>")
-    return ParsedAction(text=text, calls=tuple(calls), errors=tuple(errors))
+    return ParsedAction(text=text, calls=tuple(calls),
+                        errors=(*errors, *_unclosed(text, _CALC, "<calc>", "</calc>")))
+
+
+def _unclosed(text: str, spans: re.Pattern, opening: str, closing: str) -> list[str]:
+    """An error for each `opening` after the last closed span: a call never closed."""
+    end = max((m.end() for m in spans.finditer(text)), default=0)
+    return [f"{opening} is never closed by {closing}"] * text.count(opening, end)
 
 
 def _hermes_call(body: str) -> ToolCall | str:
@@ -90,11 +99,12 @@ def _hermes_call(body: str) -> ToolCall | str:
 
 
 def parse_hermes(text: str) -> ParsedAction:
-    """`<tool_call>{json}</tool_call>` spans -> calls; malformed ones -> errors."""
+    """`<tool_call>{json}</tool_call>` spans -> calls; malformed or unclosed ones -> errors."""
     calls, errors = [], []
     for m in _HERMES.finditer(text):
         got = _hermes_call(m.group(1).strip())
         (calls if isinstance(got, ToolCall) else errors).append(got)
+    errors += _unclosed(text, _HERMES, "<tool_call>", "</tool_call>")
     return ParsedAction(text=text, calls=tuple(calls), errors=tuple(errors))
 
 

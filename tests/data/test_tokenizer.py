@@ -101,6 +101,7 @@ def test_byte_level_bpe_represents_any_text_but_not_special_tokens_as_text(qwen_
     for text in ("π ≈ 3.14159 ∑ 🙂", "tabs\tand\n\nnewlines  ", "naïve café"):
         assert text in tok.decode(tok.encode_prompt(text))
     # A decomposed accent comes back composed (Qwen's NFC normalizer): the same text.
+    assert not tok.drops_whitespace
     decomposed = unicodedata.normalize("NFD", "café")
     assert decomposed != "café" and tok.check_text(decomposed) == tok.check_text("café")
     for text in (f"stop here {IM_END} and go on", f"{ENDOFTEXT}", f"x{IM_START}user"):
@@ -122,6 +123,24 @@ def test_character_tokenizer_falls_back_to_bos_and_raw_text(char_tokenizer_dir):
     # π is no character of its alphabet: it would go out as <pad> (the unknown token).
     with pytest.raises(UnrepresentablePrompt, match="cannot represent 'π'"):
         tok.encode_prompt("what is π?")
+    assert not tok.drops_whitespace and tok.check_text("a b") == raw.encode("a b").ids
+
+
+def test_a_tokenizer_that_drops_whitespace_represents_text_up_to_whitespace(char_tokenizer_dir,
+                                                                            tmp_path):
+    """Beside a Qwen2 config.json (the embedded model's directory) transformers loads the
+    character tokenizer as a Qwen2Tokenizer, whose encoder drops whitespace from every
+    text alike: text that differs from its decoding in whitespace alone is represented
+    (a tool's error message, say); anything else still is not."""
+    for f in char_tokenizer_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    tok = ChatTokenizer.from_dir(tmp_path)
+    assert tok.drops_whitespace
+    ids = tok.check_text("<result>error: bad  call</result>")
+    assert tok.decode(ids) == "<result>error:badcall</result>"
+    with pytest.raises(UnrepresentablePrompt, match="does not decode back to itself"):
+        tok.check_text("error: π")   # lost (this class has no unknown token to name it)
     with pytest.raises(ValueError, match="system_prompt='Be brief.': needs a chat template, "
                                          "and .* has none"):
         ChatTokenizer.from_dir(char_tokenizer_dir, system_prompt="Be brief.")

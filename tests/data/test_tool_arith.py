@@ -44,6 +44,6 @@ def test_demonstrations():
     guess = "".join(t for t, _ in demonstration(p, "guess"))
     assert math_reward(guess, p.answer, number_fallback=False) == 0.0
     bad = "".join(t for t, _ in demonstration(p, "bad_call"))
-    assert not parse_calc(bad).wants_tools
+    assert parse_calc(bad).calls == () and parse_calc(bad).errors   # a call that failed
     with pytest.raises(ValueError, match="mode='oops'"):
         demonstration(p, "oops")

@@ -400,3 +400,36 @@ def test_a_failing_environment_is_tried_again_from_scratch_then_reported(tmp_pat
         out = asyncio.run(episode(pool, ScriptedRollout(["<calc>12*34</calc>"] * ENV_ATTEMPTS)))
     assert (out.finish_reason, out.reward) == ("env_error", None) and len(errors) == ENV_ATTEMPTS
     assert "KeyError" in out.error
+
+
+def test_a_held_out_episode_whose_environment_fails_scores_0_and_is_counted():
+    """An observation the tokenizer cannot represent (an EnvError in the episode) fails
+    that problem's episode alone: it scores 0 and the record counts it, naming it."""
+    from fnrl.config import EvalConfig, RunConfig, TaskConfig
+    from fnrl.control.book import TaskIO
+    from fnrl.control.eval_lane import score_heldout
+    from fnrl.serving.client import Completion
+
+    other = Problem(uid="o", prompt="12*35=", answer="420", level=4)
+
+    async def generate(prompt_ids, *, n, max_tokens, temperature, seed=None,
+                       stop_token_ids=(), top_p=1.0, top_k=-1, stop=()):
+        text = CharCodec.decode(prompt_ids)
+        reply = ("\n#### 408" if text.endswith("</result>") else
+                 "<calc>12*34</calc>" if text.startswith("12*34") else "#### 420")
+        ids = tuple(CharCodec.encode(reply)) + (() if reply.endswith("</calc>") else (EOS,))
+        return [Completion(token_ids=ids, logprobs=(-0.1,) * len(ids), finish_reason="stop")]
+
+    def encode_text(text):
+        if "<result>" in text:
+            raise ValueError("does not decode back to itself")
+        return CharCodec.encode(text)
+
+    task = TaskIO(prompts=None, eval_set=(PROBLEM, other),
+                  encode=lambda s: list(CharCodec.encode(s)), decode=CharCodec.decode,
+                  reward_fn=None, stop_ids=(EOS,), pad_id=0, seq_len=64,
+                  encode_text=encode_text)
+    cfg = RunConfig(task=TaskConfig(env="tool_arith"), eval=EvalConfig(samples=0))
+    record = asyncio.run(score_heldout(generate, task, cfg, reward=None))
+    assert record["accuracy"] == 0.5 and record["env_errors"] == 1
+    assert "does not decode back to itself" in record["env_error_examples"][0]

@@ -13,8 +13,12 @@ def test_calc_call():
 
 def test_calc_no_call_unclosed_and_empty():
     assert not parse_calc("#### 42").wants_tools
-    assert not parse_calc("<calc>12*3</cal> #### 36").wants_tools    # misspelt: no call
-    assert not parse_calc("<calc>12*3").wants_tools                   # cut off: no call
+    unclosed = ("<calc> is never closed by </calc>",)
+    misspelt = parse_calc("<calc>12*3</cal> #### 36")    # an attempted call that failed
+    assert misspelt.calls == () and misspelt.errors == unclosed and misspelt.wants_tools
+    assert parse_calc("<calc>12*3").errors == unclosed   # cut off
+    after = parse_calc("<calc>1+1</calc> then <calc>2*")
+    assert len(after.calls) == 1 and after.errors == unclosed
     empty = parse_calc("<calc> </calc>")
     assert empty.calls == () and empty.errors == ("empty <calc></calc>",) and empty.wants_tools
 
@@ -51,3 +55,8 @@ def test_render_and_stop():
     assert tool_format("calc").stop == ("</calc>",)
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
         tool_format("xml")
+
+
+def test_hermes_unclosed_call_is_an_error():
+    got = parse_hermes('<tool_call>{"name": "python", "arguments": {}}</tool_call> <tool_call>{"na')
+    assert len(got.calls) == 1 and got.errors == ("<tool_call> is never closed by </tool_call>",)
