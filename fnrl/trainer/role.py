@@ -13,6 +13,11 @@ it, so rollouts never go back.
 Parameters are held in `trainer.param_dtype` with Adam's moments, computed in
 `trainer.compute_dtype`, optionally rematerialised per layer (`trainer.remat`) and with
 log-probs in chunks (`trainer.logprob_chunk`); the state is born sharded.
+
+With `trainer.distributed.num_processes` > 1 this is one rank of a group started by
+fnrl.trainer.group: every rank joins one global mesh, process 0 alone answers the
+controller and publishes, and hands each command to the others (fnrl.trainer.fanout), who
+run the same Trainer calls in the same order (`follow`).
 """
 
 from __future__ import annotations
@@ -297,7 +302,8 @@ def serve(args: argparse.Namespace) -> None:
     enable_compilation_cache()
     if group is not None:
         print(f"trainer process {group.process_id} of {group.num_processes} joined "
-              f"(coordinator {group.coordinator}, {jax.device_count()} devices)", flush=True)
+              f"(coordinator {group.coordinator}, {jax.device_count()} devices, "
+              f"pid {os.getpid()})", flush=True)
         if group.process_id > 0:
             return follow(cfg, args, CommandFeed(fanout_addresses()[group.process_id - 1]))
     fanout = CommandFanout(fanout_addresses()) if group is not None else None
