@@ -43,8 +43,8 @@ from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, shardings_for
 from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
-from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer import distributed
+from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
