@@ -257,7 +257,10 @@ class Trainer:
         saving = self.version % self.cfg.trainer.checkpoint_every == 0
         if saving:
             self.checkpoints.save(self.version, self.state)
+        t2 = time.perf_counter()
         weights = self.hf_weights()
+        # The weights' share of the stall: cast, gather (a group) and HF layout.
+        metrics["time/weights_s"] = time.perf_counter() - t2
         if saving:
             self.checkpoints.wait()
             if self.writer:
