@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fnrl.config import RelayConfig
+from fnrl.config import RelayConfig, RunConfig, load_json
+from fnrl.config.distributed import split_host_port
 from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.launch import relay_argv, remove_segments, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
@@ -284,11 +285,14 @@ class Cluster:
                       name: str = "trainer") -> RoleProcess:
         self._trainer_argv = (config_path, model_dir, relay)
         address = self.launcher.address(name)
-        role = self._spawn(name, [sys.executable, "-m", "fnrl.trainer.role", "--config",
-                                  str(config_path), "--model-dir", str(model_dir), "--run-dir",
-                                  str(self.run_dir), "--address", address, "--relay", relay],
-                           address)
-        return self._add(role)
+        argv = [sys.executable, "-m", "fnrl.trainer.role", "--config", str(config_path),
+                "--model-dir", str(model_dir), "--run-dir", str(self.run_dir),
+                "--address", address, "--relay", relay]
+        processes = load_json(RunConfig, config_path).trainer.distributed.num_processes
+        if processes > 1:
+            argv = trainer_group_argv(argv, processes, address,
+                                      self.run_dir / "logs" / name)
+        return self._add(self._spawn(name, argv, address))
 
     def _start_server(self, name: str, spec: ServerSpec) -> RoleProcess:
         spec = self.launcher.place_server(name, spec)
@@ -353,6 +357,16 @@ class Cluster:
         # could not unlink its segments.
         for name, proc in self._relays_started:
             self.launcher.remove_segments(name, proc)
+
+
+def trainer_group_argv(argv: list[str], processes: int, address: str, prefix: Path
+                       ) -> list[str]:
+    """The trainer role as `processes` JAX processes (fnrl.trainer.group): one leader on
+    the trainer's node starts them all, with process 0's coordinator at the host of the
+    trainer's own `address` (the node's address; loopback on one host)."""
+    host, _ = split_host_port(address.removeprefix("tcp://"))
+    return [sys.executable, "-m", "fnrl.trainer.group", "--processes", str(processes),
+            "--host", host, "--name-prefix", str(prefix), "--", *argv]
 
 
 def read_roles(path: Path) -> dict:

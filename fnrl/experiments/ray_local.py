@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -34,8 +35,12 @@ OBJECT_STORE_BYTES = 80 << 20   # the job moves no data through Ray: its minimum
 def start_cluster(nodes: list[str], temp_dir: str):
     """A Ray test cluster with one raylet per name, all on 127.0.0.1 (head: the first),
     and the workers' node handles by name."""
+    from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
+    # The test cluster records its address in Ray's default directory (/tmp/ray), which
+    # only a default-started Ray creates: without it the head fails to start.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     common = dict(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES,
                   node_ip_address="127.0.0.1")
     cluster = Cluster(initialize_head=True, head_node_args=dict(

@@ -13,6 +13,11 @@ it, so rollouts never go back.
 Parameters are held in `trainer.param_dtype` with Adam's moments, computed in
 `trainer.compute_dtype`, optionally rematerialised per layer (`trainer.remat`) and with
 log-probs in chunks (`trainer.logprob_chunk`); the state is born sharded.
+
+With `trainer.distributed.num_processes` > 1 this is one rank of a group started by
+fnrl.trainer.group: every rank joins one global mesh, process 0 alone answers the
+controller and publishes, and hands each command to the others (fnrl.trainer.fanout), who
+run the same Trainer calls in the same order (`follow`).
 """
 
 from __future__ import annotations
@@ -27,17 +32,22 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from fnrl.config import RunConfig, load_json
 from fnrl.models.hf_io import load_pretrained, params_to_hf
 from fnrl.models.decoder import logical_axes
 from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
-from fnrl.sharding.mesh import batch_sharding, mesh_from_config, shardings_for
+from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, shardings_for
 from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
+from fnrl.trainer import distributed
 from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
+from fnrl.trainer.fanout import CommandFanout, CommandFeed
+from fnrl.trainer.group import FANOUT_VAR
 from fnrl.trainer.step import (compile_train_step, init_sharded_state, initial_critic,
                                make_optimizer, place_params, state_shardings)
 from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
@@ -57,6 +67,9 @@ class Trainer:
         self.max_len = cfg.model.context_len(self.model_cfg.max_position_embeddings)
         self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
         self.mesh = mesh_from_config(tc.mesh)
+        # In a group (fnrl.trainer.distributed) every process runs every step; process 0
+        # alone writes the run directory's files and publishes.
+        self.group_size, self.writer = jax.process_count(), jax.process_index() == 0
         param_sh = shardings_for(logical_axes(self.model_cfg), host_params, self.mesh)
         self.optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
         # Sharded init: shardings from shapes alone, then the state is built in place.
@@ -123,7 +136,7 @@ class Trainer:
                 # The same learning-rate scale and bounds as the first time (a rollback
                 # sent with the batch is not redone: its result is the checkpoint).
                 batch, controls, _ = split_controls(self.batches.read(version))
-                self.state, _ = self._step(self.state, batch, self.ref_params, controls)
+                self.state, _ = self._run_step(batch, controls)
                 self.replayed += 1
         if self.version > 0:
             self.resumed_from = self.version
@@ -132,8 +145,17 @@ class Trainer:
         """One jitted step on a batch and the controls it carries, and nothing else
         (no log, checkpoint or publish): how fnrl.experiments.replay re-trains a run."""
         arrays, controls, _ = split_controls(batch)
-        self.state, metrics = self._step(self.state, arrays, self.ref_params, controls)
+        self.state, metrics = self._run_step(arrays, controls)
         return metrics
+
+    def _run_step(self, arrays: dict[str, np.ndarray], controls: dict | None):
+        """The jitted step on host arrays. In a group each process places only the rows
+        its devices hold (a multi-process jit refuses numpy for a sharded argument)."""
+        if self.group_size > 1:
+            arrays = global_arrays(arrays, batch_sharding(self.mesh))
+            if controls is not None:
+                controls = global_arrays(controls, NamedSharding(self.mesh, PartitionSpec()))
+        return self._step(self.state, arrays, self.ref_params, controls)
 
     def warm_up(self) -> int:
         """Compiles (or loads from the compilation cache) the step for every batch shape
@@ -147,7 +169,7 @@ class Trainer:
                 continue
             batch, controls, _ = split_controls(
                 {k: np.zeros(shape, dtype) for k, (shape, dtype) in spec.items()})
-            jax.block_until_ready(self._step(self.state, batch, self.ref_params, controls))
+            jax.block_until_ready(self._run_step(batch, controls))
             self._warmed.add(key)
         return len(self._warmed)
 
@@ -155,7 +177,7 @@ class Trainer:
         """Records a new batch shape for `warm_up` (atomically: a reader never sees half)."""
         spec = {k: [list(v.shape), str(v.dtype)] for k, v in sorted(batch.items())}
         key = json.dumps(spec)
-        if key in self._seen_specs:
+        if key in self._seen_specs or not self.writer:
             return
         self._seen_specs.add(key)
         path = self.run_dir / BATCH_SPECS
@@ -189,15 +211,22 @@ class Trainer:
             self.checkpoints.delete(version)
         self.checkpoints.save(version, self.state)
         self.checkpoints.wait()
-        self.batches.prune(below=version + 1)
+        if self.writer:
+            self.batches.prune(below=version + 1)
         return source
 
-    def hf_weights(self) -> dict[str, np.ndarray]:
+    def hf_weights(self) -> dict[str, np.ndarray] | None:
         """The current params in the HF layout and the servers' dtype (cast on device,
-        so a bfloat16 server gets half the bytes, converted by XLA, not numpy)."""
+        so a bfloat16 server gets half the bytes, converted by XLA, not numpy). In a group
+        every process takes part in gathering them; process 0 gets them, the rest None."""
         params = self.state.params
         if any(x.dtype != self.serve_dtype for x in jax.tree.leaves(params)):
             params = self._serving_cast(params)
+        if self.group_size > 1:
+            # Every process's shards to every process (a collective: all must call it).
+            params = multihost_utils.process_allgather(params, tiled=True)
+            if not self.writer:
+                return None
         return params_to_hf(self.model_cfg, jax.device_get(params), dtype=self.serve_dtype)
 
     def train(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, float], dict | None]:
@@ -215,8 +244,9 @@ class Trainer:
         t0 = time.perf_counter()
         arrays, controls, rollback_to = split_controls(batch)
         rolled_back_to = self.rollback(rollback_to) if rollback_to != NO_ROLLBACK else None
-        self.batches.write(self.version, batch)
-        self.state, metrics = self._step(self.state, arrays, self.ref_params, controls)
+        if self.writer:
+            self.batches.write(self.version, batch)
+        self.state, metrics = self._run_step(arrays, controls)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if rolled_back_to is not None:
             metrics["gate/rolled_back_to"] = float(rolled_back_to)
@@ -227,10 +257,14 @@ class Trainer:
         saving = self.version % self.cfg.trainer.checkpoint_every == 0
         if saving:
             self.checkpoints.save(self.version, self.state)
+        t2 = time.perf_counter()
         weights = self.hf_weights()
+        # The weights' share of the stall: cast, gather (a group) and HF layout.
+        metrics["time/weights_s"] = time.perf_counter() - t2
         if saving:
             self.checkpoints.wait()
-            self.batches.prune(below=self.version)
+            if self.writer:
+                self.batches.prune(below=self.version)
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         return metrics, weights
 
@@ -254,10 +288,34 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def fanout_addresses(environ=os.environ) -> list[str]:
+    """Ranks 1..N-1's command feeds (fnrl.trainer.group sets them); a named error when a
+    group was started some other way."""
+    value = environ.get(FANOUT_VAR, "")
+    if not value:
+        raise RuntimeError(f"{FANOUT_VAR} is not set: a trainer group's processes are "
+                           "started by `python -m fnrl.trainer.group` (the launchers do)")
+    return value.split(",")
+
+
 def serve(args: argparse.Namespace) -> None:
     cfg = load_json(RunConfig, args.config)
     set_cpu_threads(cfg.trainer.cpu_threads)   # XLA sizes its CPU pool at backend start
+    group = distributed.join(cfg.trainer.distributed)   # None: one process
     enable_compilation_cache()
+    if group is not None:
+        print(f"trainer process {group.process_id} of {group.num_processes} joined "
+              f"(coordinator {group.coordinator}, {jax.device_count()} devices, "
+              f"pid {os.getpid()})", flush=True)
+        if group.process_id > 0:
+            return follow(cfg, args, CommandFeed(fanout_addresses()[group.process_id - 1]))
+    fanout = CommandFanout(fanout_addresses()) if group is not None else None
+
+    def tell(header: dict, arrays: dict | None = None) -> None:
+        """Hands a command to the other processes first: they enter it with this one."""
+        if fanout is not None:
+            fanout.send(header, arrays)
+
     # Only requests sealed with the run's secret get through (fnrl.shell.auth).
     server = wire.RoleServer(args.address, role="trainer")
     # Relays in chain order, master first; the publisher follows a re-elected master.
@@ -272,20 +330,24 @@ def serve(args: argparse.Namespace) -> None:
             if cmd in ("standby", "warm"):
                 # A warm spare: built, restored and compiled, waiting for `takeover`;
                 # `warm` compiles batch shapes seen since.
+                tell({"cmd": cmd})
                 if trainer is None:
                     trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
                 server.reply({"warmed": trainer.warm_up()})
             elif cmd in ("init", "takeover"):
+                tell({"cmd": cmd})
                 standby = trainer is not None
                 if trainer is None:
                     trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
                 trainer.restore_latest(rescan=standby)
                 latest = relay.latest()
                 if latest is None or latest.version < trainer.version:
+                    tell({"cmd": "gather"})
                     # Visible before the reply: rollouts pull right after a resume.
                     relay.publish(trainer.version, trainer.hf_weights(), wait="visible")
                 server.reply({"version": trainer.version, "resumed_from": trainer.resumed_from})
             elif cmd == "train":
+                tell({"cmd": "train"}, arrays)
                 trainer.note_batch_spec(arrays)
                 metrics, weights = trainer.train(arrays)
                 if weights is not None and trainer.version == cfg.faults.inject_corrupt_publish:
@@ -297,6 +359,7 @@ def serve(args: argparse.Namespace) -> None:
                 metrics["time/publish_s"] = time.perf_counter() - t0
                 server.reply({"version": trainer.version, "metrics": metrics})
             elif cmd == "shutdown":
+                tell({"cmd": "shutdown"})
                 if trainer is not None:
                     trainer.checkpoints.close()
                 server.reply({"ok": True})
@@ -305,6 +368,37 @@ def serve(args: argparse.Namespace) -> None:
                 raise ValueError(f"unknown trainer command {cmd!r}")
         except Exception:  # noqa: BLE001 - any failure goes back to the controller, named
             server.reply({"error": traceback.format_exc()})
+
+
+def follow(cfg: RunConfig, args: argparse.Namespace, feed: CommandFeed) -> None:
+    """Processes 1..N-1 of a group: process 0's commands, in its order, with the same
+    Trainer calls (so every collective, save and restore is entered by all), writing no
+    files and publishing nothing."""
+    trainer = None
+    while True:
+        header, arrays = feed.recv()
+        cmd = header["cmd"]
+        try:
+            if cmd in ("standby", "warm", "init", "takeover"):
+                standby = trainer is not None
+                if trainer is None:
+                    trainer = Trainer(cfg, Path(args.model_dir), Path(args.run_dir))
+                if cmd in ("standby", "warm"):
+                    trainer.warm_up()
+                else:
+                    trainer.restore_latest(rescan=standby)
+            elif cmd == "gather":
+                trainer.hf_weights()
+            elif cmd == "train":
+                trainer.train(arrays)
+            elif cmd == "shutdown":
+                if trainer is not None:
+                    trainer.checkpoints.close()
+                return
+            else:
+                raise ValueError(f"unknown trainer command {cmd!r} from process 0")
+        except Exception:  # noqa: BLE001 - process 0 failed the same way and reports it
+            traceback.print_exc()
 
 
 def main() -> None:

@@ -125,3 +125,35 @@ def test_losing_the_trainers_node_restarts_the_trainer_elsewhere(tmp_path, cache
                for e in events)
     assert any(e["event"] == "recovered" and e["role"] == "trainer" for e in events)
     assert_nothing_lost(run_dir, steps=6, eta=2)
+
+
+def test_the_trainer_runs_as_two_jax_processes_on_its_node(tmp_path, cache_dir):
+    """--trainer.distributed.num-processes 2: node a's host starts the group's leader
+    (fnrl.trainer.group), which starts both JAX processes beside it, the coordinator at
+    node a's address; only process 0 answers the controller and publishes."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b", "--",
+         "--steps", "3", "--rollout.num-servers", "1", "--eval.server", "off",
+         "--trainer.distributed.num-processes", "2", "--trainer.distributed.local-devices", "1",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
+    roles = json.loads((run_dir / "roles.json").read_text())
+    assert {n: info["node"] for n, info in roles.items()} == {
+        "trainer": "a", "relay0": "a", "rollout0": "b", "relay1": "b"}
+    group = json.loads((run_dir / "logs" / "trainer.group.json").read_text())
+    # The leader is the process node a's host started; both ranks are its children there,
+    # and they joined each other at node a's address (the trainer's own).
+    assert group["leader"] == roles["trainer"]["pid"] and len(group["pids"]) == 2
+    node_a_host = roles["trainer"]["address"].removeprefix("tcp://").rsplit(":", 1)[0]
+    assert group["coordinator"].rsplit(":", 1)[0] == node_a_host
+    for rank, log in enumerate(["trainer.log", "trainer.rank1.log"]):
+        text = (run_dir / "logs" / log).read_text()
+        assert (f"trainer process {rank} of 2 joined (coordinator {group['coordinator']}, "
+                f"2 devices, pid {group['pids'][rank]})") in text, text[-2000:]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert max(max(r["rollout_versions"]) for r in train) >= 1
+    assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
