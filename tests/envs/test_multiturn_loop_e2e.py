@@ -164,11 +164,14 @@ class CutCommaCalcEnv(CommaCalcEnv):
 
     run_dir = None
     cut: dict = {}
+    finished: list = []   # training episodes done: the kill waits for two, so rollout0
+    # has made progress (a rollout lost before its first trajectory restarts the job)
 
     async def step(self, action, *, num_tokens=0):
         # Training episodes' tools run in the sandbox; held-out ones inline (not cut).
         training = isinstance(self.runner, SandboxPool)
-        if training and not self.cut and self.turns + 1 < MAX_TURNS and action.endswith(","):
+        if (training and not self.cut and len(self.finished) >= 2
+                and self.turns + 1 < MAX_TURNS and action.endswith(",")):
             log = self.run_dir / "partial_responses.log"
             self.cut["pool_bytes"] = log.stat().st_size
             os.kill(int(read_roles(self.run_dir / "roles.json")["rollout0"]["pid"]),
@@ -179,6 +182,8 @@ class CutCommaCalcEnv(CommaCalcEnv):
             raise RuntimeError("the loop never cut off the episode of a dead rollout")
         step = await super().step(action, num_tokens=num_tokens)
         if step.done:
+            if training:
+                self.finished.append(self.problem.uid)
             return step
         return dataclasses.replace(step, info={"action": action, "ok": self.ok})
 
@@ -196,12 +201,15 @@ def test_a_rollout_killed_during_a_tool_call_resumes_its_episodes_elsewhere(
     run_dir = tmp_path / "run"
     monkeypatch.setattr(CutCommaCalcEnv, "run_dir", run_dir)
     monkeypatch.setattr(CutCommaCalcEnv, "cut", {})
+    monkeypatch.setattr(CutCommaCalcEnv, "finished", [])
     monkeypatch.setitem(ENVS, "tool_arith", CutCommaCalcEnv)
     assert main(["--steps", "4", "--run-dir", str(run_dir), "--task.env", "tool_arith",
                  "--warm-start.cache-dir", cache_dir, *SMALL, *arith_model]) == 0
     assert CutCommaCalcEnv.cut, "no episode called its tool"
     faults = read_jsonl(run_dir / "faults.jsonl")
+    # The rollout alone was restarted (a role restart, not the job's).
     assert {"failure", "recovered"} <= {f["event"] for f in faults if f.get("role") == "rollout0"}
+    assert all(a.get("job_restart") is not True for a in read_jsonl(run_dir / "attempts.jsonl"))
     # The pool as it stood at the kill: a copy of its log up to that point.
     snapshot_log = tmp_path / "pool_at_kill.log"
     snapshot_log.write_bytes((run_dir / "partial_responses.log").read_bytes()

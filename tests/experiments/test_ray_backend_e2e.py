@@ -1,6 +1,6 @@
 """The main job on the Ray backend: a three-node Ray cluster on this machine, confined to
-loopback (fnrl.experiments.ray_local), with the trainer on node a, rollouts on b and c
-and a relay on each node."""
+loopback (fnrl.experiments.ray_local), with the trainer on node a (as two JAX processes
+in the first test), rollouts on b and c and a relay on each node."""
 
 import json
 import re
@@ -33,10 +33,15 @@ def _ours_left(marker: str) -> list[str]:
 
 
 def test_roles_run_where_placed_and_pull_from_their_own_nodes_relay(tmp_path, cache_dir):
+    """Three nodes: the trainer as two JAX processes on a (node a's host starts the
+    group's leader, fnrl.trainer.group, which starts both beside it with the coordinator
+    at node a's address; only process 0 answers the controller and publishes), a relay
+    per node, rollouts on b and c, each pulling from its own node's relay."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c", "--",
          "--steps", "3", "--rollout.num-servers", "2", "--eval.server", "off",
+         "--trainer.distributed.num-processes", "2", "--trainer.distributed.local-devices", "1",
          "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -50,6 +55,16 @@ def test_roles_run_where_placed_and_pull_from_their_own_nodes_relay(tmp_path, ca
     ids = {info["node"]: info["node_id"] for info in roles.values()}
     assert len(set(ids.values())) == 3
     assert all(roles[n]["node_id"] == ids[roles[n]["node"]] for n in roles)
+    # The trainer's two processes: children of the leader node a's host started, joined
+    # at node a's address (the trainer's own).
+    group = json.loads((run_dir / "logs" / "trainer.group.json").read_text())
+    assert group["leader"] == roles["trainer"]["pid"] and len(group["pids"]) == 2
+    node_a_host = roles["trainer"]["address"].removeprefix("tcp://").rsplit(":", 1)[0]
+    assert group["coordinator"].rsplit(":", 1)[0] == node_a_host
+    for rank, log in enumerate(["trainer.log", "trainer.rank1.log"]):
+        text = (run_dir / "logs" / log).read_text()
+        assert (f"trainer process {rank} of 2 joined (coordinator {group['coordinator']}, "
+                f"2 devices, pid {group['pids'][rank]})") in text, text[-2000:]
     # Every pull of each rollout came from the relay on its own node.
     for rid, relay in ((0, "relay1"), (1, "relay2")):
         log = (run_dir / "logs" / f"rollout{rid}.log").read_text()
@@ -125,35 +140,3 @@ def test_losing_the_trainers_node_restarts_the_trainer_elsewhere(tmp_path, cache
                for e in events)
     assert any(e["event"] == "recovered" and e["role"] == "trainer" for e in events)
     assert_nothing_lost(run_dir, steps=6, eta=2)
-
-
-def test_the_trainer_runs_as_two_jax_processes_on_its_node(tmp_path, cache_dir):
-    """--trainer.distributed.num-processes 2: node a's host starts the group's leader
-    (fnrl.trainer.group), which starts both JAX processes beside it, the coordinator at
-    node a's address; only process 0 answers the controller and publishes."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b", "--",
-         "--steps", "3", "--rollout.num-servers", "1", "--eval.server", "off",
-         "--trainer.distributed.num-processes", "2", "--trainer.distributed.local-devices", "1",
-         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
-        capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
-    roles = json.loads((run_dir / "roles.json").read_text())
-    assert {n: info["node"] for n, info in roles.items()} == {
-        "trainer": "a", "relay0": "a", "rollout0": "b", "relay1": "b"}
-    group = json.loads((run_dir / "logs" / "trainer.group.json").read_text())
-    # The leader is the process node a's host started; both ranks are its children there,
-    # and they joined each other at node a's address (the trainer's own).
-    assert group["leader"] == roles["trainer"]["pid"] and len(group["pids"]) == 2
-    node_a_host = roles["trainer"]["address"].removeprefix("tcp://").rsplit(":", 1)[0]
-    assert group["coordinator"].rsplit(":", 1)[0] == node_a_host
-    for rank, log in enumerate(["trainer.log", "trainer.rank1.log"]):
-        text = (run_dir / "logs" / log).read_text()
-        assert (f"trainer process {rank} of 2 joined (coordinator {group['coordinator']}, "
-                f"2 devices, pid {group['pids'][rank]})") in text, text[-2000:]
-    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3]
-    assert max(max(r["rollout_versions"]) for r in train) >= 1
-    assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
