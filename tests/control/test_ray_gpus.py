@@ -2,6 +2,11 @@
 read from `ray.nodes()`, and each role's CUDA_VISIBLE_DEVICES from its planned indices
 into the GPUs Ray granted its node's host (fnrl.control.ray_cluster)."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("ray")
@@ -37,3 +42,19 @@ def test_roles_on_a_node_see_disjoint_gpus_of_those_ray_granted():
     assert visible_devices(granted["b"], ()) == ""
     with pytest.raises(RuntimeError, match="host was granted 2"):
         visible_devices(["0", "1"], (1, 2))
+
+
+def test_on_a_ray_cluster_each_role_sees_the_gpus_its_node_host_reserved(tmp_path):
+    """A real Ray test cluster whose nodes declare GPUs (a 2, b 4: Ray's `GPU` resource,
+    no devices): Ray grants each host its roles' GPUs, and each role's process sees its
+    own slice (tests/control/ray_gpu_probe.py)."""
+    probe = Path(__file__).with_name("ray_gpu_probe.py")
+    done = subprocess.run([sys.executable, str(probe), str(tmp_path)], timeout=240,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "probe.json").read_text())
+    assert result["rollouts"] == ["b", "b"]
+    assert result["granted"] == {"a": ["0", "1"], "b": ["0", "1", "2", "3"]}
+    # The relay reserves none and sees its host's (documented in docs/multinode.md).
+    assert result["seen"] == {"trainer": "0,1", "rollout0": "0,1", "rollout1": "2,3",
+                              "relay1": "0,1,2,3"}
