@@ -103,3 +103,17 @@ def test_moved_config_values_name_field_and_value():
                          (lambda: FaultConfig(policy="node"), "FaultConfig.policy='node'")]:
         with pytest.raises(ValueError, match=match):
             build()
+
+
+def test_gpu_needs_are_validated_and_parsed():
+    from fnrl.config.run import RolloutConfig, TrainerConfig
+    from fnrl.experiments.math_grpo import parse_config
+    with pytest.raises(ValueError, match=r"RolloutConfig\.tensor_parallel_size=0"):
+        RolloutConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"TrainerConfig\.gpus_per_process=-1"):
+        TrainerConfig(gpus_per_process=-1)
+    with pytest.raises(ValueError, match=r"TrainerConfig\.gpus_per_process=1\.5"):
+        TrainerConfig(gpus_per_process=1.5)
+    cfg = parse_config(["--rollout.tensor-parallel-size", "4", "--trainer.gpus-per-process", "2"])
+    assert (cfg.rollout.tensor_parallel_size, cfg.trainer.gpus_per_process) == (4, 2)
+    assert (RunConfig().rollout.tensor_parallel_size, RunConfig().trainer.gpus_per_process) == (1, 0)

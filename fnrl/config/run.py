@@ -253,6 +253,10 @@ class TrainerConfig:
     (fnrl.trainer.checkpoint)."""
     checkpoint_keep: int = 2
     """Finished checkpoints kept on disk (the oldest are deleted)."""
+    gpus_per_process: int = 0
+    """GPUs each trainer process gets on the trainer's node (0: none reserved, as on
+    CPU). The Ray backend reserves distributed.num_processes x this on the trainer's
+    node and makes each process see its own (CUDA_VISIBLE_DEVICES)."""
 
     def __post_init__(self):
         name = "TrainerConfig"
@@ -274,6 +278,8 @@ class TrainerConfig:
         positive(self, "checkpoint_every", "checkpoint_keep")
         check(self.cpu_threads >= 0, name, "cpu_threads", self.cpu_threads,
               "must be >= 0 (0: every CPU the process may use)")
+        check(type(self.gpus_per_process) is int and self.gpus_per_process >= 0, name,
+              "gpus_per_process", self.gpus_per_process, "must be an int >= 0 (0: no GPU)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,8 +317,15 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """What the vLLM servers compute in (their --dtype); the trainer publishes weights in
     it, so a bfloat16 server gets half the bytes through the relays."""
+    tensor_parallel_size: int = 1
+    """vLLM's --tensor-parallel-size: the GPUs each server (and the evaluation server)
+    spans on its node. The Ray backend places each server on a node with that many free
+    GPUs and makes it see just those; on a CPU cluster it reserves none."""
 
     def __post_init__(self):
+        check(type(self.tensor_parallel_size) is int and self.tensor_parallel_size > 0,
+              "RolloutConfig", "tensor_parallel_size", self.tensor_parallel_size,
+              "must be an int > 0")
         check(self.dtype in SERVE_DTYPES, "RolloutConfig", "dtype", self.dtype,
               f"must be one of {SERVE_DTYPES}")
         positive(self, "num_servers", "max_num_seqs", "groups_per_batch", "start_timeout_s",

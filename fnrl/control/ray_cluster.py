@@ -17,6 +17,17 @@ pulling from its own node's relay. Roles bind the node's address as Ray reports 
 interfaces, with the run's secret and API key required there (fnrl.shell.auth,
 fnrl.serving.http_auth). The run directory must be on a file system every node sees
 (logs, checkpoints, the batch log); docs/multinode.md says how.
+
+GPUs: the placement takes each node's GPU count from Ray (`ray.nodes()` resources) and
+gives each role GPU indices on its node (trainer: processes x `gpus_per_process`; each
+vLLM server: its tensor-parallel size). Each node's host actor reserves its roles' GPUs
+from Ray (`num_gpus` = their sum), so Ray's accounting holds them and sets the host's
+CUDA_VISIBLE_DEVICES to the GPUs it granted; the host hands each role its disjoint slice
+of those as the role's CUDA_VISIBLE_DEVICES (`visible_devices`). Bookkeeping on the one
+host, not a placement group or actor per role: the roles stay the host's children
+(killed with it, restarted and moved by the controller's supervisor, never by Ray), and
+a role restarted on its node reuses its GPUs without asking Ray again. A CPU cluster
+(no GPU anywhere) reserves nothing and sets no variable: runs as before.
 """
 
 from __future__ import annotations
@@ -55,6 +66,12 @@ class NodeHost:
 
     def ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray granted this host (its CUDA_VISIBLE_DEVICES; none without GPUs)."""
+        if not ray.get_gpu_ids():
+            return []
+        return [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i]
 
     def node_id(self) -> str:
         """The Ray node this host (and every process it starts) runs on."""
@@ -180,17 +197,32 @@ def _base(role: str) -> str:
     return "trainer" if role.startswith("trainer") else role
 
 
-def cluster_nodes(label: str) -> dict[str, str]:
-    """{node name: Ray node id} of the alive nodes, named by `label` (else the id's
-    first 8 characters), in name order: Ray lists nodes in no fixed order, and the
-    placement must not change from one start to the next."""
+def name_nodes(ray_nodes: Sequence[dict], label: str) -> dict[str, tuple[str, int]]:
+    """{node name: (Ray node id, GPU count)} of the alive nodes of `ray.nodes()`, named
+    by `label` (else the id's first 8 characters), in name order: Ray lists nodes in no
+    fixed order, and the placement must not change from one start to the next."""
     out = {}
-    for node in ray.nodes():
+    for node in ray_nodes:
         if not node.get("Alive"):
             continue
         node_id = node["NodeID"]
-        out[(node.get("Labels") or {}).get(label) or node_id[:8]] = node_id
+        gpus = int((node.get("Resources") or {}).get("GPU", 0))
+        out[(node.get("Labels") or {}).get(label) or node_id[:8]] = (node_id, gpus)
     return dict(sorted(out.items()))
+
+
+def cluster_nodes(label: str) -> dict[str, str]:
+    """{node name: Ray node id} of the cluster's alive nodes (`name_nodes`)."""
+    return {name: node_id for name, (node_id, _) in name_nodes(ray.nodes(), label).items()}
+
+
+def visible_devices(host_gpus: Sequence[str], indices: Sequence[int]) -> str:
+    """A role's CUDA_VISIBLE_DEVICES: its planned GPU indices into the ids Ray granted
+    its node's host ("" for none)."""
+    if indices and max(indices) >= len(host_gpus):
+        raise RuntimeError(f"GPU indices {tuple(indices)} planned, but the node's host "
+                           f"was granted {len(host_gpus)}: {list(host_gpus)}")
+    return ",".join(host_gpus[i] for i in indices)
 
 
 class RayLauncher:
@@ -198,23 +230,29 @@ class RayLauncher:
     The same methods as fnrl.control.roles.LocalLauncher."""
 
     def __init__(self, cfg: ClusterConfig, num_rollouts: int, *, with_eval: bool,
-                 call_timeout_s: float = 120.0):
+                 gpus_per_process: int = 0, trainer_processes: int = 1,
+                 tensor_parallel_size: int = 1, call_timeout_s: float = 120.0):
         address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
         ray.init(address=address, namespace=f"fnrl-{os.getpid()}", log_to_driver=False,
                  configure_logging=False)
-        nodes = cluster_nodes(cfg.node_label)
-        self.placement: Placement = place_roles(tuple(nodes), num_rollouts,
-                                                trainer_node=cfg.trainer_node,
-                                                with_eval=with_eval)
+        named = name_nodes(ray.nodes(), cfg.node_label)
+        nodes = {name: node_id for name, (node_id, _) in named.items()}
+        self.placement: Placement = place_roles(
+            tuple(nodes), num_rollouts, trainer_node=cfg.trainer_node, with_eval=with_eval,
+            node_gpus={name: gpus for name, (_, gpus) in named.items()},
+            trainer_gpus=gpus_per_process * max(trainer_processes, 1),
+            server_gpus=tensor_parallel_size)
         used = dict.fromkeys((self.placement.trainer, *self.placement.rollouts,
                               *((self.placement.eval,) if self.placement.eval else ())))
         self._actors = {
             name: NodeHost.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                nodes[name], soft=False), name=f"fnrl-host-{name}").remote(name)
+                nodes[name], soft=False), name=f"fnrl-host-{name}",
+                num_gpus=self.placement.gpus_on(name)).remote(name)
             for name in used}
         self.hosts = {name: _Host(a, name, call_timeout_s) for name, a in self._actors.items()}
         self.ips = {name: host.call("ip") for name, host in self.hosts.items()}
         self.node_ids = {name: host.call("node_id") for name, host in self.hosts.items()}
+        self.gpu_ids = {name: host.call("gpu_ids") for name, host in self.hosts.items()}
         misplaced = {n: i for n, i in self.node_ids.items() if i != nodes[n]}
         if misplaced:   # NodeAffinity with soft=False should make this impossible
             raise RuntimeError(f"node hosts started on the wrong Ray nodes: {misplaced}")
@@ -243,6 +281,10 @@ class RayLauncher:
         survivors = [n for n, h in self.hosts.items() if not h.dead and h.alive()]
         if not survivors:
             raise RuntimeError(f"{role}: every node of the job is lost")
+        if self.placement.gpus.get(_base(role)):
+            raise RuntimeError(
+                f"{role} needs {len(self.placement.gpus[_base(role)])} GPUs and its node "
+                f"{node} is lost: the other nodes' hosts reserved only their own roles' GPUs")
         # Generation roles prefer nodes other than the trainer's, the least loaded first.
         load = {n: sum(self.node_of(r) == n for r in self._started) for n in survivors}
         away = [n for n in survivors if n != self.node_of("trainer")] or survivors
@@ -258,14 +300,22 @@ class RayLauncher:
         host = self._host(role)
         return f"tcp://{self.ips[host.node]}:{host.call('free_port')}"
 
+    def visible_devices(self, role: str) -> str:
+        """The role's CUDA_VISIBLE_DEVICES on its node ("": it was planned no GPU)."""
+        return visible_devices(self.gpu_ids[self.node_of(role)],
+                               self.placement.gpus.get(_base(role), ()))
+
     def place_server(self, role: str, spec: ServerSpec) -> ServerSpec:
         host = self._host(role)   # moves the role first if its node is lost
-        return dataclasses.replace(spec, host=self.ips[host.node], port=host.call("free_port"))
+        return dataclasses.replace(spec, host=self.ips[host.node], port=host.call("free_port"),
+                                   visible_devices=self.visible_devices(role))
 
     def spawn(self, role: str, argv: list[str], log_path: Path, *,
               death_signal: int = signal.SIGKILL, relay: bool = False) -> HostedProcess:
         host = self._host(role)
         extra = {"PYTHONUNBUFFERED": "1", auth.ENV_VAR: auth.with_secret(None)[auth.ENV_VAR]}
+        if devices := self.visible_devices(role):   # the trainer's (a relay needs none)
+            extra["CUDA_VISIBLE_DEVICES"] = devices
         pid = host.call("spawn", argv, str(log_path), extra, int(death_signal),
                         role if relay else None)
         self._started.add(role)

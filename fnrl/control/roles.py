@@ -288,10 +288,12 @@ class Cluster:
         argv = [sys.executable, "-m", "fnrl.trainer.role", "--config", str(config_path),
                 "--model-dir", str(model_dir), "--run-dir", str(self.run_dir),
                 "--address", address, "--relay", relay]
-        processes = load_json(RunConfig, config_path).trainer.distributed.num_processes
+        trainer = load_json(RunConfig, config_path).trainer
+        processes = trainer.distributed.num_processes
         if processes > 1:
             argv = trainer_group_argv(argv, processes, address,
-                                      self.run_dir / "logs" / name)
+                                      self.run_dir / "logs" / name,
+                                      gpus_per_process=trainer.gpus_per_process)
         return self._add(self._spawn(name, argv, address))
 
     def _start_server(self, name: str, spec: ServerSpec) -> RoleProcess:
@@ -359,14 +361,15 @@ class Cluster:
             self.launcher.remove_segments(name, proc)
 
 
-def trainer_group_argv(argv: list[str], processes: int, address: str, prefix: Path
-                       ) -> list[str]:
+def trainer_group_argv(argv: list[str], processes: int, address: str, prefix: Path, *,
+                       gpus_per_process: int = 0) -> list[str]:
     """The trainer role as `processes` JAX processes (fnrl.trainer.group): one leader on
     the trainer's node starts them all, with process 0's coordinator at the host of the
     trainer's own `address` (the node's address; loopback on one host)."""
     host, _ = split_host_port(address.removeprefix("tcp://"))
+    gpus = ["--gpus-per-process", str(gpus_per_process)] if gpus_per_process else []
     return [sys.executable, "-m", "fnrl.trainer.group", "--processes", str(processes),
-            "--host", host, "--name-prefix", str(prefix), "--", *argv]
+            "--host", host, "--name-prefix", str(prefix), *gpus, "--", *argv]
 
 
 def read_roles(path: Path) -> dict:

@@ -267,6 +267,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
                             max_num_seqs=cfg.rollout.max_num_seqs,
                             kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
                             dtype=cfg.rollout.dtype, host=cfg.cluster.bind_host,
+                            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                             require_api_key=cfg.cluster.require_api_key)
                  for rid in range(cfg.rollout.num_servers)]
         for rid, spec in enumerate(specs):
@@ -291,7 +292,10 @@ def make_launcher(cfg: RunConfig):
         return LocalLauncher()
     from fnrl.control.ray_cluster import RayLauncher   # Ray is imported only when used
     return RayLauncher(cfg.cluster, cfg.rollout.num_servers,
-                       with_eval=cfg.eval.server == "dedicated")
+                       with_eval=cfg.eval.server == "dedicated",
+                       gpus_per_process=cfg.trainer.gpus_per_process,
+                       trainer_processes=cfg.trainer.distributed.num_processes,
+                       tensor_parallel_size=cfg.rollout.tensor_parallel_size)
 
 
 def _flag_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:

@@ -32,9 +32,10 @@ NODE_LABEL = "fnrl-node"
 OBJECT_STORE_BYTES = 80 << 20   # the job moves no data through Ray: its minimum
 
 
-def start_cluster(nodes: list[str], temp_dir: str):
+def start_cluster(nodes: list[str], temp_dir: str, gpus: dict[str, int] | None = None):
     """A Ray test cluster with one raylet per name, all on 127.0.0.1 (head: the first),
-    and the workers' node handles by name."""
+    and the workers' node handles by name. `gpus` declares GPU counts per node (Ray's
+    `GPU` resource: what the placement reads and reserves, not devices)."""
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 
@@ -43,10 +44,13 @@ def start_cluster(nodes: list[str], temp_dir: str):
     os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     common = dict(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES,
                   node_ip_address="127.0.0.1")
+    gpus = gpus or {}
     cluster = Cluster(initialize_head=True, head_node_args=dict(
-        common, labels={NODE_LABEL: nodes[0]}, include_dashboard=False, temp_dir=temp_dir))
+        common, labels={NODE_LABEL: nodes[0]}, include_dashboard=False, temp_dir=temp_dir,
+        num_gpus=gpus.get(nodes[0], 0)))
     try:
-        workers = {name: cluster.add_node(**common, labels={NODE_LABEL: name})
+        workers = {name: cluster.add_node(**common, labels={NODE_LABEL: name},
+                                          num_gpus=gpus.get(name, 0))
                    for name in nodes[1:]}
         cluster.wait_for_nodes()
     except BaseException:

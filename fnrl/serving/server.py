@@ -90,6 +90,11 @@ class ServerSpec:
     """OpenMP threads of the worker on CPU."""
     require_api_key: bool = False
     """Require the run's API key even on loopback (always required beyond it)."""
+    tensor_parallel_size: int = 1
+    """vLLM's --tensor-parallel-size: the GPUs the server spans (1 on CPU)."""
+    visible_devices: str = ""
+    """The server's CUDA_VISIBLE_DEVICES, e.g. "2,3" (the Ray backend's share of its
+    node's GPUs); "": the environment's as it is."""
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -98,7 +103,8 @@ class ServerSpec:
         if not 0 <= self.kv_memory_fraction <= 1:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction}: not in [0, 1] "
                              "(0: sized from max_num_seqs x max_model_len)")
-        for name in ("port", "max_model_len", "max_num_seqs", "cpu_threads"):
+        for name in ("port", "max_model_len", "max_num_seqs", "cpu_threads",
+                     "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
 
@@ -299,6 +305,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--dtype", spec.dtype,
         "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
         *kv_args,
         "--seed", str(spec.seed),
         "--worker-extension-cls", WORKER_EXTENSION,
@@ -326,6 +333,8 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
         DO_NOT_TRACK="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    if spec.visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     # The key in the environment, not on the command line (vLLM logs its arguments). One
     # inherited from the caller's shell would make a loopback server refuse our client.
     env.pop("VLLM_API_KEY", None)

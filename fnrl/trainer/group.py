@@ -43,11 +43,24 @@ FANOUT_VAR = "FNRL_TRAINER_FANOUT"
 
 
 def rank_environment(base: dict[str, str], *, processes: int, rank: int, coordinator: str,
-                     fanout: list[str]) -> dict[str, str]:
+                     fanout: list[str], gpus_per_process: int = 0) -> dict[str, str]:
     """Rank `rank`'s environment: `base` plus the group's shape (the variables
-    fnrl.trainer.distributed reads when the config leaves them unset)."""
-    return {**base, "FNRL_NUM_PROCESSES": str(processes), "FNRL_PROCESS_ID": str(rank),
-            "FNRL_COORDINATOR": coordinator, FANOUT_VAR: ",".join(fanout)}
+    fnrl.trainer.distributed reads when the config leaves them unset), and with
+    `gpus_per_process` > 0 its own GPUs: rank r sees the r-th slice of the leader's
+    CUDA_VISIBLE_DEVICES (of GPUs 0.. when that is unset), since a JAX process takes
+    every GPU it sees."""
+    env = {**base, "FNRL_NUM_PROCESSES": str(processes), "FNRL_PROCESS_ID": str(rank),
+           "FNRL_COORDINATOR": coordinator, FANOUT_VAR: ",".join(fanout)}
+    if gpus_per_process:
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        ids = ([i for i in visible.split(",") if i] if visible is not None
+               else [str(i) for i in range(processes * gpus_per_process)])
+        if len(ids) < processes * gpus_per_process:
+            raise ValueError(f"{processes} processes x {gpus_per_process} GPUs need "
+                             f"{processes * gpus_per_process}; CUDA_VISIBLE_DEVICES={visible!r}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            ids[rank * gpus_per_process:(rank + 1) * gpus_per_process])
+    return env
 
 
 def describe_exit(rank: int, code: int) -> str:
@@ -66,15 +79,16 @@ def leader_exit_code(codes: list[int | None]) -> int:
     return 0
 
 
-def start_ranks(argv: list[str], processes: int, host: str, prefix: Path
-                ) -> tuple[list[subprocess.Popen], str]:
+def start_ranks(argv: list[str], processes: int, host: str, prefix: Path,
+                gpus_per_process: int = 0) -> tuple[list[subprocess.Popen], str]:
     """Starts the N ranks in this process's group, each dying with this process."""
     coordinator = f"{host}:{free_port(host)}"
     fanout = [f"tcp://{host}:{free_port(host)}" for _ in range(processes - 1)]
     ranks = []
     for rank in range(processes):
         env = rank_environment(dict(os.environ), processes=processes, rank=rank,
-                               coordinator=coordinator, fanout=fanout)
+                               coordinator=coordinator, fanout=fanout,
+                               gpus_per_process=gpus_per_process)
         out = None if rank == 0 else open(f"{prefix}.rank{rank}.log", "ab")
         try:
             ranks.append(subprocess.Popen(
@@ -117,6 +131,8 @@ def main(args: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True, help="the node's address for the group")
     parser.add_argument("--name-prefix", required=True,
                         help="path prefix of the ranks' logs and the group file")
+    parser.add_argument("--gpus-per-process", type=int, default=0,
+                        help="GPUs of the leader's each rank sees (0: all of them)")
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- then a rank's command")
     ns = parser.parse_args(args)
     argv = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
@@ -127,7 +143,8 @@ def main(args: list[str] | None = None) -> int:
     if split_host_port(f"{ns.host}:1") is None:
         raise ValueError(f"--host={ns.host!r} is not a host name or address")
     prefix = Path(ns.name_prefix)
-    ranks, coordinator = start_ranks(argv, ns.processes, ns.host, prefix)
+    ranks, coordinator = start_ranks(argv, ns.processes, ns.host, prefix,
+                                     ns.gpus_per_process)
     write_atomic(Path(f"{prefix}.group.json"), json.dumps(
         {"leader": os.getpid(), "coordinator": coordinator,
          "pids": [p.pid for p in ranks]}, indent=2))

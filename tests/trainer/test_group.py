@@ -146,3 +146,19 @@ def test_fanout_hands_commands_in_order_sealed(monkeypatch):
     finally:
         fanout.close()
         feed.close()
+
+
+def test_each_rank_sees_its_own_slice_of_the_trainer_gpus(tmp_path):
+    def visible(base, rank):
+        return rank_environment(base, processes=2, rank=rank, coordinator="h:1", fanout=[],
+                                gpus_per_process=2)["CUDA_VISIBLE_DEVICES"]
+    assert [visible({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, r) for r in (0, 1)] == ["4,5", "6,7"]
+    assert [visible({}, r) for r in (0, 1)] == ["0,1", "2,3"]
+    with pytest.raises(ValueError, match="need 4; CUDA_VISIBLE_DEVICES='4,5'"):
+        visible({"CUDA_VISIBLE_DEVICES": "4,5"}, 0)
+    # 0 GPUs per process (CPU): the environment is left as it is.
+    assert "CUDA_VISIBLE_DEVICES" not in rank_environment(
+        {}, processes=2, rank=0, coordinator="h:1", fanout=[])
+    argv = trainer_group_argv(["r"], 2, "tcp://10.0.0.7:5000", tmp_path / "t",
+                              gpus_per_process=2)
+    assert argv[argv.index("--gpus-per-process") + 1] == "2" and argv[-2:] == ["--", "r"]
