@@ -360,6 +360,10 @@ class RelayTier:
             return "stopped", f"pid {pid} stopped (SIGSTOP)"
         return "hung", f"{self._misses[name]} pings unanswered (pid {pid}, state {state})"
 
+    def owns(self, pid: int) -> bool:
+        """Whether the relay process `pid` was handed to the tier (`stop` ends it)."""
+        return pid in self._owned
+
     def events(self) -> tuple[ChainRepair, ...]:
         """Every chain repair since the tier started, oldest first (one per relay removed).
         Never waits for a `check` in progress (which may be pinging a hung relay)."""
