@@ -173,13 +173,19 @@ class RelayTierHandle(Protocol):
     names: tuple[str, ...]
 
     def address_for(self, rid: int) -> str:
-        """The relay rollout `rid` pulls from (a survivor once its own is spliced out)."""
+        """The relay rollout `rid` pulls from (a survivor once its own is spliced out, its
+        own again once a replacement has caught up)."""
 
     def check(self) -> None:
         """Raises RoleError when no relay is left to serve weights."""
 
     def events(self) -> tuple[RelayEvent, ...]:
         """Every chain repair since the tier started, oldest first."""
+
+    async def replace(self, name: str) -> Mapping[str, object]:
+        """Starts a new relay in the place of `name`, which exited, and returns once it
+        serves (what to record: its address, the version it started from). Raises
+        RoleError or RuntimeError when it cannot (its node is lost, it did not start)."""
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None: ...
 

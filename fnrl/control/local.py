@@ -201,7 +201,8 @@ class HttpEvalServer:
 
 
 class LocalRelays:
-    """The relay tier of `cluster` (its monitor splices dead relays out)."""
+    """The relay tier of `cluster` (its monitor splices dead relays out; `replace` starts
+    a relay that exited again, on its node)."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
@@ -217,6 +218,13 @@ class LocalRelays:
     def events(self) -> tuple[RelayEvent, ...]:
         return tuple(RelayEvent(e.relay, e.cause, e.failed_at, e.repaired_at, e.master,
                                 e.was_master) for e in self.tier.events())
+
+    async def replace(self, name: str) -> dict:
+        # Spawned from the loop's thread (it outlives the job's roles: PR_SET_PDEATHSIG),
+        # then waited for in a thread: its start and its catch-up take seconds.
+        role = self.cluster.start_replacement_relay(name)
+        version = await asyncio.to_thread(self.cluster.join_relay, role)
+        return {"address": role.address, "version": version}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.cluster.kill(name, sig=sig, wait=False)

@@ -264,6 +264,12 @@ class RayLauncher:
     def node_of(self, role: str) -> str:
         return self._moved.get(_base(role)) or self.placement.node_of(role)
 
+    def node_alive(self, role: str) -> bool:
+        """Whether the node `role` runs on still answers. A relay is replaced only there:
+        one relay per node, beside the rollouts that pull from it; a lost node's relay
+        is not started elsewhere (its rollouts, moved to survivors, pull from theirs)."""
+        return self.hosts[self.node_of(role)].alive()
+
     def node_id_of(self, role: str) -> str:
         """The Ray node id the role's host reported (recorded in roles.json)."""
         return self.node_ids[self.node_of(role)]

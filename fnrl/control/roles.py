@@ -85,6 +85,10 @@ class LocalLauncher:
     def node_of(self, role: str) -> str:
         return "local"
 
+    def node_alive(self, role: str) -> bool:
+        """Whether `role`'s node is still there: this host always is."""
+        return True
+
     def node_id_of(self, role: str) -> str:
         return "local"
 
@@ -200,6 +204,34 @@ class Cluster:
         self.relay_tier.configure()
         self.relay_tier.start_monitor()
         return self.relay_tier
+
+    def start_replacement_relay(self, name: str) -> RoleProcess:
+        """A new relay process under the name of `name`, a relay that exited, on the
+        same node (call it from the thread that lives as long as the job: the process
+        dies with that thread, PR_SET_PDEATHSIG). Raises RoleError when the relay
+        still runs, or its node is lost (no replacement then: its rollouts keep
+        pulling from the survivors)."""
+        old = self.role(name)
+        if old.proc.poll() is None:
+            raise RoleError(f"{name} still runs: nothing to replace")
+        if not self.launcher.node_alive(name):
+            raise RoleError(f"{name}: its node {self.launcher.node_of(name)} is lost; "
+                            "no replacement")
+        self.launcher.remove_segments(name, old.proc)   # what the dead one left behind
+        return self.start_relay(name, self.relay_tier.cfg)
+
+    def join_relay(self, role: RoleProcess, timeout_s: float = 120.0) -> int | None:
+        """Wait until the replacement `role` answers, then join it to the tier's chain
+        (fnrl.relay.tier.RelayTier.join); the version it held when it began to serve.
+        Blocks for seconds: run it off the event loop. Raises RoleError if it did not
+        start, JoinFailed if it could not catch up."""
+        try:
+            ping = wait_relay_ready(role.address, role.proc, timeout_s)
+        except RuntimeError as err:
+            raise RoleError(f"{err}{log_tail(str(role.log_path))}") from err
+        return self.relay_tier.join(
+            RelayMember(name=role.name, address=role.address,
+                        ucx_address=ping["ucx_address"], proc=role.proc), timeout_s)
 
     def wait_tier_holds(self, version: int, timeout_s: float) -> None:
         """Block until every relay in the chain serves `version` (the trainer's first, so
@@ -346,8 +378,8 @@ class Cluster:
         self._stopped.update((r.name, r) for r in self.roles)
         if self.relay_tier is not None:
             self.relay_tier.stop(grace_s)
-            relays = set(self.relay_tier.members)
-            self.roles = [r for r in self.roles if r.name not in relays]
+            # A replacement relay that had not joined yet is not the tier's: stopped here.
+            self.roles = [r for r in self.roles if not self.relay_tier.owns(r.proc.pid)]
         # vLLM stops its engine at once on SIGTERM, then its HTTP server waits for open
         # connections (a stop from a signal handler finds the job's streams open).
         procs.stop_all([r.proc for r in self.roles],

@@ -14,7 +14,10 @@ on each decision):
   rollouts keep generating; the batch it was training on is sent again (or accepted, if
   the step had been checkpointed);
 - relays: the relay tier's monitor splices a dead relay out or elects a new master;
-  its repairs are read here as events, recorded and counted as the relay's down time;
+  its repairs are read here as events, recorded and counted as the relay's down time.
+  A relay that exited is then replaced on its node (when the node is still there): the
+  newcomer joins the chain, catches up, and its rollouts pull from it again. A hung or
+  stopped relay is only spliced out (its process still holds its place on the node);
 - `RestartJob`: raised as JobRestart to the job runner, which restarts every role from
   the checkpoint and the controller's journal.
 
@@ -182,7 +185,28 @@ class Supervisor:
                                            reason=f"master relay {e.relay} {e.cause}"))
             self.record("chain_repaired", role=e.relay, cause=e.cause, repair_s=ready - start,
                         was_master=e.was_master, master=e.master)
+            if e.cause == "exited":
+                task = self.svc.spawn(self._replace_relay(e.relay, start, ready))
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
         self._relay_events_seen = len(events)
+
+    async def _replace_relay(self, name: str, failed_s: float, repaired_s: float) -> None:
+        """One try at a replacement for relay `name`; a failure is recorded and the job
+        goes on with the spliced chain (the survivors serve its rollouts), so it never
+        escalates to a job restart."""
+        try:
+            extra = await self.roles.relays.replace(name)
+        except (RoleError, RuntimeError, OSError) as err:
+            self.record("restart_failed", role=name, error=str(err)[:2000])
+            print(f"fnrl: relay {name} was not replaced: {err}", flush=True)
+            return
+        now = self.svc.now()
+        self.record("recovered", role=name, down_s=now - failed_s,
+                    since_detected_s=now - repaired_s, **extra)
+        print(f"fnrl: relay {name} replaced at {extra.get('address')}, serving from "
+              f"version {extra.get('version')} ({now - failed_s:.1f} s after it died)",
+              flush=True)
 
     # --- act ------------------------------------------------------------------------------
 

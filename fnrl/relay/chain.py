@@ -1,4 +1,5 @@
-"""Pure decisions of the relay tier's controller: chain order, master election, repair.
+"""Pure decisions of the relay tier's controller: chain order, master election, repair,
+and a replacement relay joining.
 
 The controller (`fnrl.relay.tier.RelayTier`) observes which relays answer and what version
 each holds, calls these functions, and sends each relay its downstream neighbour.
@@ -63,3 +64,22 @@ def repair(plan: ChainPlan, alive: Sequence[str], versions: Mapping[str, int | N
         return plan
     master = plan.master if plan.master in survivors else elect_master(survivors, versions)
     return ChainPlan(order=plan_chain(survivors, master), epoch=plan.epoch + 1)
+
+
+class AlreadyInChain(ValueError):
+    """A relay asked to join a chain it is already part of."""
+
+
+def join(plan: ChainPlan, relay: str) -> ChainPlan:
+    """The chain with `relay` (a replacement) appended at the tail, in a new epoch.
+
+    At the tail, because a newcomer holds nothing yet: it catches up from the old tail
+    by the chain's normal forwarding (the old tail's newest version goes to its new
+    downstream), and no survivor ever waits on a relay still being filled. Put in its
+    old place, it would stand between two relays that already hold every version, and
+    the relays behind it would receive the next versions only through it; should it
+    fail while catching up, they would be spliced again. A relay that joins an empty
+    chain becomes its master."""
+    if relay in plan.order:
+        raise AlreadyInChain(f"relay {relay!r} is already in the chain {list(plan.order)}")
+    return ChainPlan(order=(*plan.order, relay), epoch=plan.epoch + 1)

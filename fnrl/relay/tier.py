@@ -5,6 +5,9 @@ of `fnrl.relay.chain`, and acts by sending each relay its place in the chain. A 
 thread repeats this every `heartbeat_s`, so a dead relay is spliced out and a dead
 master replaced without anyone asking. Every repair is recorded (`events`), and `stop`
 ends every relay the tier knew, stopped (SIGSTOP) or spliced-out ones included.
+
+A replacement relay (started by the job's controller under a dead relay's name) `join`s
+the chain at its tail and serves pulls once it holds the newest version.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class RelayMember:
     address: str
     ucx_address: str
     proc: subprocess.Popen | None = None
+
+
+class JoinFailed(RuntimeError):
+    """A replacement relay died, or did not catch up in time, before it could serve."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,6 +106,8 @@ class RelayTier:
         # Every relay process ever handed to the tier: `stop` ends them all, spliced or not.
         self._owned = {m.proc.pid: m for m in members if m.proc is not None}
         self.configured_epoch = 0
+        # Joined the chain, still catching up: forwarded to, not yet pulled from.
+        self._catching_up: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -138,6 +147,25 @@ class RelayTier:
         tier.configure()
         return tier
 
+    def start_replacement(self, name: str, log_dir: str | os.PathLike, *,
+                          start_timeout_s: float = 60.0) -> RelayMember:
+        """Start a relay process called `name` on this host (its log appended to
+        `<log_dir>/<name>.log`) and return it once it answers, ready to `join`; another
+        port is tried if its port was taken before it could bind."""
+        for attempt in range(3):
+            address = f"tcp://127.0.0.1:{free_port()}"
+            proc = launch_relay(address, name, Path(log_dir) / f"{name}.log", self.cfg)
+            try:
+                ping = wait_relay_ready(address, proc, start_timeout_s)
+                return RelayMember(name=name, address=address, proc=proc,
+                                   ucx_address=ping["ucx_address"])
+            except BaseException:
+                port_taken = proc.poll() is not None   # it exits when it cannot bind
+                stop_relay(proc, name)
+                if not port_taken or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     @property
     def master(self) -> RelayMember:
         return self.members[self.plan.master]
@@ -151,16 +179,111 @@ class RelayTier:
         """Control address of the relay a rollout with this index pulls from: relay
         `index % n` in launch order (its host's), or, once that one has been spliced out,
         a survivor's (spread over them by index, so one dead relay moves its rollouts
-        to different neighbours)."""
+        to different neighbours). A replacement keeps the launch index of the relay it
+        replaces, so its rollouts come back to it once it has caught up (`join`)."""
         plan = self.plan  # replaced whole by the monitor thread: read it once
+        serving = [n for n in plan.order if n not in self._catching_up]
         launched = list(self.members)
         home = launched[self.homes[index] if self.homes and index in self.homes
                         else index % len(launched)]
-        if home in plan.order:
+        if home in serving:
             return self.members[home].address
-        if not plan.order:
+        if not serving:
             raise RuntimeError("every relay of the tier has died")
-        return self.members[plan.order[index % len(plan.order)]].address
+        return self.members[serving[index % len(serving)]].address
+
+    def join(self, member: RelayMember, timeout_s: float = 120.0) -> int | None:
+        """Put `member`, a replacement relay that is up, at the tail of the chain in a
+        new epoch (why the tail: `fnrl.relay.chain.join`), and return the version it
+        holds once it holds the newest complete one (None: none was published yet).
+
+        Under a dead relay's name it takes that relay's place in `members` (and its
+        launch index, so `homes` resolve to it again). Until it has caught up it is
+        forwarded to but not pulled from: `local_address` never names a relay still
+        being filled. Raises JoinFailed (and stops it) if it dies or stays behind past
+        `timeout_s`; AlreadyInChain if a relay of its name still serves."""
+        name = member.name
+        with self._lock:
+            plan = chain_policy.join(self.plan, name)
+            self.members[name] = member   # an existing key keeps its place: the launch order
+            self._catching_up.add(name)
+            self._misses[name], self._seen[name] = 0, (time.time(), time.monotonic())
+            self._pids.pop(name, None)
+            if member.proc is not None:
+                self._pids[name] = member.proc.pid
+                self._owned[member.proc.pid] = member
+            if name in self.removed:
+                self.removed.remove(name)
+            self.plan = plan
+            self.configure()
+            self.configured_epoch = plan.epoch
+        log.warning("relay chain epoch %d: %s (%s joined, catching up)", plan.epoch,
+                    " -> ".join(plan.order), name)
+        try:
+            version = self._catch_up(member, timeout_s)
+        except BaseException:
+            self._drop_newcomer(name)
+            raise
+        with self._lock:
+            self._catching_up.discard(name)
+        log.warning("relay %s serves from version %s", name, version)
+        return version
+
+    def _catch_up(self, member: RelayMember, timeout_s: float) -> int | None:
+        """Wait until `member` holds the master's newest complete version (asked again
+        after each wait: versions published meanwhile reach it by the chain as well)."""
+        deadline = time.monotonic() + timeout_s
+        wait_s = max(self.cfg.heartbeat_s, 0.5)
+        with RelayClient(member.address, timeout_s=self.cfg.heartbeat_timeout_s) as client:
+            while True:
+                if member.proc is not None and member.proc.poll() is not None:
+                    raise JoinFailed(f"relay {member.name} {procs.exit_reason(member.proc)} "
+                                     "while catching up")
+                if member.name not in self.plan.order:
+                    raise JoinFailed(f"relay {member.name} was spliced out while catching up")
+                target = self._master_version(member.name)
+                try:
+                    held = client.ping()["version"]
+                    if target is None or (held is not None and held >= target):
+                        return held
+                    if time.monotonic() > deadline:
+                        raise JoinFailed(f"relay {member.name} holds version {held}, not "
+                                         f"{target}, after {timeout_s:g} s")
+                    client.wait_version(target, timeout_s=wait_s)
+                except RelayError:   # not there yet, or a ping lost: asked again
+                    if time.monotonic() > deadline:
+                        raise JoinFailed(f"relay {member.name} did not catch up to version "
+                                         f"{target} in {timeout_s:g} s") from None
+
+    def _master_version(self, newcomer: str) -> int | None:
+        """The newest complete version at the master (None: none yet, or the newcomer is
+        the master, or the master did not answer: the newcomer then waits no longer)."""
+        plan = self.plan
+        if plan.master is None or plan.master == newcomer:
+            return None
+        with RelayClient(self.members[plan.master].address,
+                         timeout_s=self.cfg.heartbeat_timeout_s) as client:
+            try:
+                return client.ping()["version"]
+            except RelayError:
+                return None
+
+    def _drop_newcomer(self, name: str) -> None:
+        """Splice a newcomer that failed to catch up out again (it never served, so no
+        repair is recorded) and stop its process."""
+        with self._lock:
+            self._catching_up.discard(name)
+            if name in self.plan.order:
+                self.plan = chain_policy.ChainPlan(
+                    order=tuple(n for n in self.plan.order if n != name), epoch=self.plan.epoch + 1)
+                if self.plan.order:
+                    self.configure()
+                self.configured_epoch = self.plan.epoch
+            if name not in self.removed:
+                self.removed.append(name)
+        member = self.members[name]
+        if member.proc is not None:
+            stop_relay(member.proc, name)
 
     def configure(self) -> None:
         """Send every relay its place in the current plan (master, downstream, epoch)."""
@@ -203,10 +326,14 @@ class RelayTier:
                 return False
             detected = (time.time(), time.monotonic())
             gone = [n for n in self.plan.order if n not in plan.order]
+            # A newcomer lost while catching up never served: its `join` raises instead.
+            failed_joins = [n for n in gone if n in self._catching_up]
+            gone = [n for n in gone if n not in self._catching_up]
             causes = {n: self._cause(n) for n in gone}
-            self.removed += gone
+            self.removed += gone + failed_joins
             log.warning("relay chain epoch %d: %s (removed %s)", plan.epoch, " -> ".join(plan.order),
-                        {n: " ".join(c) for n, c in causes.items()})
+                        {**{n: " ".join(c) for n, c in causes.items()},
+                         **{n: "lost while catching up" for n in failed_joins}})
             old_master, self.plan = self.plan.master, plan
             if plan.order:
                 self.configure()
@@ -232,6 +359,10 @@ class RelayTier:
         if state in ("T", "t"):
             return "stopped", f"pid {pid} stopped (SIGSTOP)"
         return "hung", f"{self._misses[name]} pings unanswered (pid {pid}, state {state})"
+
+    def owns(self, pid: int) -> bool:
+        """Whether the relay process `pid` was handed to the tier (`stop` ends it)."""
+        return pid in self._owned
 
     def events(self) -> tuple[ChainRepair, ...]:
         """Every chain repair since the tier started, oldest first (one per relay removed).

@@ -101,6 +101,9 @@ class SimRelays:
     def events(self) -> tuple[RelayEvent, ...]:
         return ()
 
+    async def replace(self, name: str) -> dict:
+        raise NotImplementedError("the simulated relays do not fail")
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         raise NotImplementedError("the simulated relays do not fail")
 

@@ -42,6 +42,7 @@ class FakeRelays:
     published: list[int] = field(default_factory=lambda: [0])
     repairs: list[RelayEvent] = field(default_factory=list)
     dead: set = field(default_factory=set)
+    replaced: list[str] = field(default_factory=list)
 
     def address_for(self, rid: int) -> str:
         live = [n for n in self.names if n not in self.dead]
@@ -53,6 +54,11 @@ class FakeRelays:
 
     def events(self) -> tuple[RelayEvent, ...]:
         return tuple(self.repairs)
+
+    async def replace(self, name: str) -> dict:
+        self.dead.discard(name)
+        self.replaced.append(name)
+        return {"address": name, "version": self.published[-1]}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.dead.add(name)

@@ -160,6 +160,36 @@ def test_a_relay_splice_is_recorded_and_lowers_ettr(tmp_path):
     assert summary["ettr"] < 1.0 and summary["steps"] == STEPS
 
 
+def test_an_exited_relay_is_replaced_and_its_recovery_recorded(tmp_path):
+    cfg = make_cfg("fnrl")
+    clock = VirtualClock()
+    relays = FakeRelays(names=("relay0", "relay1"))
+
+    class KillingTrainer(FakeTrainer):
+        async def train(self, arrays):
+            if self.version == 2 and not relays.repairs:
+                relays.kill("relay1")
+                relays.repairs.append(RelayEvent("relay1", "exited", clock.epoch() - 1.5,
+                                                 clock.epoch(), "relay0"))
+            return await super().train(arrays)
+
+    ctl, summary = run(cfg, make_roles(KillingTrainer(relays), relays), tmp_path, clock=clock)
+    assert relays.replaced == ["relay1"] and not relays.dead
+    faults = read_jsonl(tmp_path / "faults.jsonl")
+    (recovered,) = [f for f in faults if f["event"] == "recovered"]
+    assert recovered["role"] == "relay1" and recovered["address"] == "relay1"
+    assert recovered["down_s"] >= 1.5 and recovered["version"] >= 2
+    assert summary["steps"] == STEPS
+
+
+def test_a_hung_relay_is_spliced_out_but_not_replaced(tmp_path):
+    relays = FakeRelays(names=("relay0", "relay1"))
+    relays.repairs.append(RelayEvent("relay1", "hung", 0.0, 1.0, "relay0"))
+    run(make_cfg("fnrl"), make_roles(FakeTrainer(relays), relays), tmp_path)
+    assert relays.replaced == []
+    assert not [f for f in read_jsonl(tmp_path / "faults.jsonl") if f["event"] == "recovered"]
+
+
 def test_an_injection_naming_a_missing_role_is_refused(tmp_path):
     cfg = make_cfg("fnrl", inject=["rollout5:at=3"])
     with pytest.raises(ValueError, match="rollout5"):

@@ -107,6 +107,11 @@ def test_losing_a_node_mid_run_moves_its_rollout_and_loses_no_trajectory(tmp_pat
     assert roles["rollout1"]["node"] == "b" and roles["relay2"]["node"] == "c"
     events = read_jsonl(run_dir / "faults.jsonl")
     assert any(e["event"] == "chain_repaired" and e["role"] == "relay2" for e in events)
+    # Its relay is not replaced: a relay is started again only on its own node.
+    (not_replaced,) = [e for e in events if e["event"] == "restart_failed"
+                       and e["role"] == "relay2"]
+    assert "is lost; no replacement" in not_replaced["error"]
+    assert not any(e["event"] == "recovered" and e["role"] == "relay2" for e in events)
     failure = [e for e in events if e["event"] == "failure" and e["role"] == "rollout1"]
     assert failure and "lost with its node" in failure[0]["reason"]
     assert any(e["event"] == "recovered" and e["role"] == "rollout1" for e in events)

@@ -41,3 +41,35 @@ def test_each_rollout_pulls_from_its_own_relay(tmp_path, cache_dir):
         assert {v for v, _ in loads} <= visible_versions((logs / f"relay{i}.log").read_text())
     reached = [visible_versions((logs / f"relay{i}.log").read_text()) for i in range(2)]
     assert {0, 1, 2} <= reached[0] & reached[1], reached
+
+
+def test_a_killed_relay_is_replaced_and_its_rollout_pulls_from_the_replacement(tmp_path,
+                                                                                cache_dir):
+    run_dir = tmp_path / "run"
+    steps = 8
+    # relay1, rollout 1's home, is SIGKILLed in step 2; the supervisor starts another on
+    # its node (this host), which joins the chain and serves once it has caught up.
+    assert main(["--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
+                 "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
+                 "--relay.num-relays", "2", "--faults.inject", "relay1:at=2", *SMALL]) == 0
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    faults = read_jsonl(run_dir / "faults.jsonl")
+    (repair,) = [f for f in faults if f["event"] == "chain_repaired"]
+    assert (repair["role"], repair["cause"]) == ("relay1", "exited")
+    (recovered,) = [f for f in faults if f["event"] == "recovered"]
+    assert recovered["role"] == "relay1" and recovered["t"] >= repair["t"]
+    roles = json.loads((run_dir / "roles.json").read_text())
+    replacement = roles["relay1"]["address"]
+    assert recovered["address"] == replacement
+    logs = run_dir / "logs"
+    loads = loaded_versions((logs / "rollout1.log").read_text())
+    # Before the kill rollout 1 pulled from the first relay1, meanwhile from relay0, and
+    # after the join from the replacement (a new address: every such pull came after it),
+    # never a version older than the one the replacement held when it began to serve.
+    assert loads[0][1] not in (replacement, roles["relay0"]["address"])
+    after = [v for v, a in loads if a == replacement]
+    assert after, f"rollout1 never pulled from the replacement: {loads}"
+    assert min(after) >= recovered["version"]
+    # The replacement got versions by the chain only (the trainer publishes to relay0).
+    assert set(after) <= visible_versions((logs / "relay1.log").read_text())

@@ -6,7 +6,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from fnrl.relay.chain import ChainPlan, detection_window_s, elect_master, plan_chain, repair
+from fnrl.relay.chain import (AlreadyInChain, ChainPlan, detection_window_s, elect_master, join,
+                              plan_chain, repair)
 from fnrl.config import RelayConfig
 
 
@@ -87,3 +88,14 @@ def test_rollouts_pull_from_their_own_relay_and_move_to_survivors_when_it_dies()
 def test_detection_window_is_a_round_to_notice_plus_the_missed_pings():
     cfg = RelayConfig(heartbeat_s=0.5, heartbeat_timeout_s=2.0, heartbeat_misses=3)
     assert detection_window_s(cfg) == 0.5 + 3 * (0.5 + 2.0)
+
+
+def test_a_replacement_joins_at_the_tail_in_a_new_epoch():
+    plan = repair(ChainPlan(order=("m", "x", "y"), epoch=2), ["m", "y"], {})
+    joined = join(plan, "x")
+    assert joined == ChainPlan(order=("m", "y", "x"), epoch=4)
+    # The old tail now forwards to the newcomer; the master and its neighbour keep theirs.
+    assert [joined.downstream_of(n) for n in joined.order] == ["y", "x", None]
+    assert join(ChainPlan(order=(), epoch=5), "x").master == "x"
+    with pytest.raises(AlreadyInChain, match="'y'"):
+        join(joined, "y")

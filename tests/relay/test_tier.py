@@ -1,11 +1,13 @@
 """The relay tier's fault handling with real processes: a hung (SIGSTOPped) master is
 left by the trainer's publisher within the tier's detection window, every chain repair
-is recorded with its cause, and `RelayTier.stop` leaves no process and no segment."""
+is recorded with its cause, a replacement relay joins the chain, and `RelayTier.stop`
+leaves no process and no segment."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 from fnrl.config import RelayConfig
 from fnrl.relay import store
-from fnrl.relay.chain import detection_window_s
+from fnrl.relay.chain import AlreadyInChain, detection_window_s
 from fnrl.relay.client import MasterPublisher, RelayClient, RelayError, RelayUnresponsive
 from fnrl.relay.role import segment_prefix
 
@@ -117,3 +119,54 @@ def test_events_and_stop_after_a_stopped_master_and_a_killed_relay(tier_factory)
     assert master.proc.returncode == 0
     tier.stop()  # idempotent
     assert segments_of(tier) == []
+
+
+def version_at(address: str) -> int | None:
+    with RelayClient(address, timeout_s=30) as c:
+        return c.ping()["version"]
+
+
+def test_a_replacement_joins_at_the_tail_and_serves_only_once_caught_up(tier_factory, tmp_path):
+    tier = tier_factory(CFG)
+    tier.start_monitor()
+    master, middle, tail = (tier.members[n] for n in tier.plan.order)
+    homed = 1   # rollout 1 pulls from relay 1 (index % 3): the middle one
+    assert tier.local_address(homed) == middle.address
+    with RelayClient(master.address, timeout_s=30) as client:
+        client.publish(1, weights(1), wait="visible")
+        client.publish(2, weights(2), wait="visible")
+    wait_for(lambda: all(serves(a, 2) for a in tier.addresses), "version 2 not everywhere")
+    middle.proc.kill()
+    wait_for(lambda: middle.name in tier.removed, "the killed relay was never spliced out")
+    assert tier.local_address(homed) in (master.address, tail.address)
+
+    newcomer = tier.start_replacement(middle.name, tmp_path)
+    assert newcomer.address != middle.address and version_at(newcomer.address) is None
+    joined: list = []
+    joining = threading.Thread(target=lambda: joined.append(tier.join(newcomer)))
+    joining.start()
+    # Whenever rollout 1 is sent to the newcomer, the newcomer already holds version 2.
+    seen = []
+    while joining.is_alive() or not seen or seen[-1][0] != newcomer.address:
+        address = tier.local_address(homed)
+        seen.append((address, version_at(newcomer.address)))
+        assert address != newcomer.address or seen[-1][1] == 2, seen
+        time.sleep(0.01)
+    joining.join()
+    assert joined == [2]
+    assert tier.plan.order == (master.name, tail.name, middle.name)   # at the tail
+    assert tier.plan.epoch == 2 and tier.members[middle.name].proc is newcomer.proc
+    with pytest.raises(AlreadyInChain):
+        tier.join(newcomer)
+
+    # A version published after the join reaches every relay, the old tail and the
+    # newcomer behind it included.
+    with RelayClient(master.address, timeout_s=30) as client:
+        client.publish(3, weights(3), wait="visible")
+    wait_for(lambda: all(serves(a, 3) for a in (master.address, tail.address, newcomer.address)),
+             "version 3 not everywhere")
+    assert tier.addresses == [master.address, tail.address, newcomer.address]
+    (event,) = tier.events()   # the join is no repair
+    assert (event.relay, event.cause) == (middle.name, "exited")
+    tier.stop()
+    assert segments_of(tier) == [] and newcomer.proc.poll() is not None
