@@ -161,6 +161,16 @@ def alive(pid: int) -> bool:
         return True
 
 
+def exited(pid: int) -> bool:
+    """Whether the process has ended: no such pid, or a zombie its parent has not reaped."""
+    if not alive(pid):
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:   # reaped between the two looks
+        return True
+
+
 def group_gone(proc: subprocess.Popen) -> bool:
     proc.poll()  # reap the leader: a zombie still counts as a group member
     try:

@@ -14,6 +14,7 @@ import pytest
 
 from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
+from fnrl.shell.procs import exited
 
 from e2e_args import SMALL
 from test_faults_e2e import assert_nothing_lost
@@ -25,15 +26,6 @@ GROUP = ["--trainer.distributed.num-processes", "2", "--trainer.distributed.loca
 
 def _group(run_dir) -> dict:
     return json.loads((run_dir / "logs" / "trainer.group.json").read_text())
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie (its parent has not reaped it yet) is gone too.
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_two_process_trainer_trains_serves_and_restores(tmp_path, cache_dir, capsys):
@@ -51,7 +43,7 @@ def test_two_process_trainer_trains_serves_and_restores(tmp_path, cache_dir, cap
         assert (f"trainer process {rank} of 2 joined (coordinator {group['coordinator']}, "
                 f"2 devices, pid {group['pids'][rank]})") in text, text[-2000:]
     # No process of the group outlives the job.
-    assert all(_gone(pid) for pid in [group["leader"], *group["pids"]])
+    assert all(exited(pid) for pid in [group["leader"], *group["pids"]])
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert max(max(r["rollout_versions"]) for r in train) >= 1   # new versions were served
@@ -92,7 +84,7 @@ def test_a_killed_rank_restarts_the_whole_group_from_its_checkpoint(tmp_path, ca
     # The whole group went (rank 0 and the leader with rank 1) and a new one came back.
     second = _group(run_dir)
     assert second["leader"] != first["leader"] and set(second["pids"]).isdisjoint(first["pids"])
-    assert all(_gone(pid) for pid in [first["leader"], *first["pids"], second["leader"],
+    assert all(exited(pid) for pid in [first["leader"], *first["pids"], second["leader"],
                                       *second["pids"]])
     assert "trainer rank 1 was killed by SIGKILL; killing the rest of the group" in (
         run_dir / "logs" / "trainer.log").read_text()

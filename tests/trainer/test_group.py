@@ -16,6 +16,7 @@ import pytest
 from fnrl.control.roles import trainer_group_argv
 from fnrl.shell import auth
 from fnrl.shell.net import free_port
+from fnrl.shell.procs import exited
 from fnrl.trainer.fanout import CommandFanout, CommandFeed, FanoutError
 from fnrl.trainer.group import (FANOUT_VAR, describe_exit, leader_exit_code,
                                 rank_environment)
@@ -78,14 +79,6 @@ def _wait_for(condition, timeout_s: float = 60.0):
         time.sleep(0.05)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-
-
 def test_a_killed_rank_takes_the_group_down(tmp_path):
     leader = _start_leader(tmp_path)
     try:
@@ -101,7 +94,7 @@ def test_a_killed_rank_takes_the_group_down(tmp_path):
         assert {os.getpgid(p) for p in group["pids"]} == {leader.pid}
         os.kill(group["pids"][1], signal.SIGKILL)
         assert leader.wait(timeout=30) == 137
-        _wait_for(lambda: all(_gone(p) for p in group["pids"]), 10)
+        _wait_for(lambda: all(exited(p) for p in group["pids"]), 10)
         assert "trainer rank 1 was killed by SIGKILL; killing the rest of the group" in (
             tmp_path / "trainer.log").read_text()
     finally:
@@ -117,7 +110,7 @@ def test_no_rank_outlives_its_leader_and_a_clean_end_is_zero(tmp_path):
     pids = json.loads((tmp_path / "trainer.group.json").read_text())["pids"]
     os.kill(leader.pid, signal.SIGKILL)          # the leader alone: PDEATHSIG ends the ranks
     leader.wait()
-    _wait_for(lambda: all(_gone(p) for p in pids), 10)
+    _wait_for(lambda: all(exited(p) for p in pids), 10)
 
     clean = tmp_path / "clean"
     clean.mkdir()
