@@ -93,8 +93,17 @@ def test_a_learning_rate_100x_too_high_rolls_back_and_lowers_it(tmp_path, cache_
     assert _actions(gates[0]) == ["rollback", "lowerlr"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["gate_rollbacks"] >= 1 and summary["gate_lr_scale"] <= 0.1 + 1e-9
-    # After the last rollback the run is clean at the lowered rate.
-    assert gates[-1]["version"] < 10
+    assert summary["gate_stopped"] is None
+    # The lowered rate cures what the rule saw: after the last rollback no applied update
+    # is too large. Batches sampled on the rolled-back weights, or drifting at a rate
+    # still 10x the default, may be skipped by the mismatch rules meanwhile (that is
+    # those gates doing their job, and how many depends on timing).
+    last = max(g["version"] for g in gates if "rollback" in _actions(g))
+    assert last < 10
+    assert all(_actions(g) == ["skip"] for g in gates if g["version"] > last)
+    after = [r for r in _train(tmp_path) if r["step"] > last and r["gate_refused"] == 0.0]
+    assert after, "no update was kept after the last rollback"
+    assert all(r["update_ratio"] <= 0.01 for r in after)
 
 
 def test_a_stop_ends_the_run_cleanly_with_a_report(tmp_path, cache_dir):
