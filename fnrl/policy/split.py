@@ -7,7 +7,7 @@ degree and b a batch size:
     generator  (W + K_g·b_g) / m_g      weights, KV cache of b_g concurrent sequences
     colocated  (5W + A_t·b_t + K_g·b_g) / m   both on every GPU (the synchronous baseline)
 Step time for a global batch of B samples on G GPUs, from the per-sample times
-η_t(b) = τ_t(b)/b and η_g(b) = τ_g(b)/b (Eqs. 2, 3):
+η_t(b) = τ_t(b)/b and η_g(b) = τ_g(b)/b of one model instance (Eqs. 2, 3):
     colocated  (B·m/G)·(η_t(b_t) + η_g(b_g))              the phases add
     split      B·max(η_t(b_t)·m_t / G_t, η_g(b_g)·m_g / G_g),  G_t + G_g = G
 `plan_colocated` and `plan_split` minimise these over model-parallel degrees, batch
@@ -22,6 +22,11 @@ Gaps the paper leaves, filled here:
   - The paper drops integrality of the micro-steps B·m/(G·b); so does this.
   - Table 2's "free-able" column is unused, as in the paper: the colocated baseline
     holds the trainer's state and a generator copy at once.
+  - The paper's τ does not depend on m (Remark 7.1 assumes no form); here η is called
+    with the degree too, η(b, m), so a caller with a cost model (the simulator's
+    roofline, where an instance of m GPUs is faster but pays m-way communication) can
+    say so. A function that ignores m is the paper's model.
+  - A quantized generator (LlamaRL's fp8, §4.3) holds `gen_weights` bytes rather than W.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-PerSample = Callable[[int], float]   # batch size -> seconds per sample (η)
+PerSample = Callable[[int, int], float]   # (batch size, model-parallel degree) -> seconds per sample (η)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,12 +48,13 @@ class SplitProblem:
     mp_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     train_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     gen_batches: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    gen_weights: float = 0.0         # bytes of the generator's replica (0: W; fp8: W/2)
 
     def __post_init__(self):
         for name in ("gpus", "batch", "gpu_memory", "weights"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SplitProblem.{name}={getattr(self, name)!r}: must be > 0")
-        for name in ("act_per_sample", "kv_per_sample"):
+        for name in ("act_per_sample", "kv_per_sample", "gen_weights"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SplitProblem.{name}={getattr(self, name)!r}: must be >= 0")
         for name in ("mp_sizes", "train_batches", "gen_batches"):
@@ -78,7 +84,7 @@ def trainer_memory(p: SplitProblem, b_t: int, m_t: int) -> float:
 
 
 def generator_memory(p: SplitProblem, b_g: int, m_g: int) -> float:
-    return (p.weights + p.kv_per_sample * b_g) / m_g
+    return ((p.gen_weights or p.weights) + p.kv_per_sample * b_g) / m_g
 
 
 def colocated_memory(p: SplitProblem, b_t: int, b_g: int, m: int) -> float:
@@ -103,7 +109,8 @@ def plan_colocated(p: SplitProblem, eta_t: PerSample, eta_g: PerSample) -> Plan:
                 mem = colocated_memory(p, b_t, b_g, m)
                 if mem > p.gpu_memory:
                     continue
-                train, gen = (p.batch * m / p.gpus * eta_t(b_t), p.batch * m / p.gpus * eta_g(b_g))
+                train, gen = (p.batch * m / p.gpus * eta_t(b_t, m),
+                              p.batch * m / p.gpus * eta_g(b_g, m))
                 if best is None or train + gen < best.step_s:
                     best = Plan("colocated", train + gen, train, gen, m, m, b_t, b_g, p.gpus,
                                 p.gpus, mem, mem)
@@ -118,7 +125,7 @@ def _best_side(sizes: Sequence[int], batches: Sequence[int], eta: PerSample,
     """{m: (η(b)·m, b, bytes)}: each degree's best feasible batch size (Eq. 14 / 15)."""
     out = {}
     for m in sizes:
-        options = [(eta(b) * m, b, memory(b, m)) for b in batches if memory(b, m) <= limit]
+        options = [(eta(b, m) * m, b, memory(b, m)) for b in batches if memory(b, m) <= limit]
         if options:
             out[m] = min(options)
     return out

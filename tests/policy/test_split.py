@@ -8,11 +8,11 @@ from fnrl.policy.split import (SplitProblem, colocated_memory, generator_memory,
                                plan_split, trainer_memory)
 
 
-def eta_t(b):
+def eta_t(b, m):
     return 1.0 + 1.0 / b
 
 
-def eta_g(b):
+def eta_g(b, m):
     return 2.0 + 8.0 / b
 
 
@@ -53,7 +53,7 @@ decreasing = st.tuples(st.floats(0.01, 5.0), st.floats(0.0, 50.0))
 def test_plans_keep_the_memory_limits_and_their_own_step_formula(gpus, weights, act, kv, t, g):
     p = SplitProblem(gpus=gpus, batch=512, gpu_memory=80.0, weights=weights,
                      act_per_sample=act, kv_per_sample=kv)
-    et, eg = (lambda b: t[0] + t[1] / b), (lambda b: g[0] + g[1] / b)
+    et, eg = (lambda b, m: t[0] + t[1] / b), (lambda b, m: g[0] + g[1] / b)
     try:
         sync = plan_colocated(p, et, eg)
     except ValueError:
@@ -66,13 +66,39 @@ def test_plans_keep_the_memory_limits_and_their_own_step_formula(gpus, weights, 
     assert split.gpus_train % split.mp_train == 0 and split.gpus_gen % split.mp_gen == 0
     assert split.step_s == max(split.train_s, split.gen_s)
     assert sync.step_s == pytest.approx(512 * sync.mp_train / gpus
-                                        * (et(sync.batch_train) + eg(sync.batch_gen)))
+                                        * (et(sync.batch_train, sync.mp_train)
+                                           + eg(sync.batch_gen, sync.mp_train)))
     # The proof of Theorem 7.5, discretely: the colocated optimum's degree and batch sizes
     # fit each side's own limit (each is part of the joint one), so running them on two
     # groups of whole model-parallel instances is a split candidate; the split plan is at
     # least as fast as the best such candidate.
     m = sync.mp_train
-    as_split = [512 * m * max(et(sync.batch_train) / x, eg(sync.batch_gen) / (gpus - x))
+    as_split = [512 * m * max(et(sync.batch_train, m) / x, eg(sync.batch_gen, m) / (gpus - x))
                 for x in range(m, gpus, m)]
     if as_split:
         assert split.step_s <= min(as_split) * (1 + 1e-12)
+
+
+def test_a_quantized_generator_holds_its_own_weights():
+    # fp8 halves the generator's replica: 10 + 32 = 42 on one GPU instead of 20 + 32 = 52;
+    # the trainer and the colocated baseline keep W.
+    fp8 = SplitProblem(gpus=8, batch=64, gpu_memory=80.0, weights=20.0, gen_weights=10.0,
+                       act_per_sample=5.0, kv_per_sample=1.0)
+    assert generator_memory(fp8, 32, 1) == 42.0 and generator_memory(HAND, 32, 1) == 52.0
+    assert trainer_memory(fp8, 4, 2) == trainer_memory(HAND, 4, 2) == 50.0
+    assert colocated_memory(fp8, 4, 32, 2) == colocated_memory(HAND, 4, 32, 2) == 76.0
+
+
+def test_the_per_sample_time_sees_the_degree():
+    # The paper's η ignores m, so the narrowest generator that fits wins (m_g = 1 above).
+    # One whose wider instances are superlinearly faster, η·m = (2 + 8/b)/m, goes wide: with
+    # a trainer of 0.01 s a sample on 2 GPUs, m_g = 4 on 4 GPUs makes 64·2.25/4/4 = 9 s,
+    # against 64·2.25/2/6 = 12 s at m_g = 2 on 6 (8 needs all the GPUs).
+    seen = []
+
+    def superlinear(b, m):
+        seen.append(m)
+        return (2.0 + 8.0 / b) / m ** 2
+
+    split = plan_split(HAND, lambda b, m: 0.01, superlinear)
+    assert (split.mp_gen, split.gpus_gen, split.gen_s) == (4, 4, 9.0) and set(seen) == {1, 2, 4, 8}
