@@ -69,20 +69,25 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
     if rollouts < 1 or train_gpus < 1:
         raise ValueError(f"invalid config gpus={cfg.gpus}: {train_gpus} trainer GPUs and "
                          f"{rollout_gpus} rollout GPUs make no rollout of tp={c.rollout_tp}")
+    # The rollouts' copy: quantized (LlamaRL's fp8 generator) when rollout_dtype_bytes says so.
+    served = dataclasses.replace(model, dtype_bytes=c.rollout_dtype_bytes or model.dtype_bytes)
+    comm = (costs.tp_allreduce_s(model, c.rollout_tp, c.gpus_per_machine,
+                                 costs.TpCommParams(**table.get("tp_comm", {})))
+            if c.tp_comm else 0.0)
     if c.decode == "roofline":
-        decode = costs.roofline_decode(model, gpu, c.rollout_tp, roof)
+        decode = costs.roofline_decode(served, gpu, c.rollout_tp, roof, comm)
     elif c.decode in table.get("decode", {}):
         # A fitted engine's coefficients; its prefill from the roofline.
-        decode = dataclasses.replace(costs.roofline_decode(model, gpu, c.rollout_tp, roof),
+        decode = dataclasses.replace(costs.roofline_decode(served, gpu, c.rollout_tp, roof),
                                      cost=costs.named_decode(c.decode, table))
     else:
         decode = costs.load_profiled(c.decode)
-    kv = c.kv_capacity_tokens or costs.kv_capacity_tokens(model, gpu, c.rollout_tp, roof)
+    kv = c.kv_capacity_tokens or costs.kv_capacity_tokens(served, gpu, c.rollout_tp, roof)
     w = cfg.workload
     if kv < w.prompt_len + w.len_max + 1:
         raise ValueError(f"invalid config cluster.kv_capacity_tokens={kv}: one trajectory "
                          f"({w.prompt_len} + {w.len_max} tokens) does not fit")
-    nbytes = model.weight_bytes
+    nbytes = served.weight_bytes
     if colocated:
         publish, pull = 0.0, costs.colocated_sync_s(nbytes, c.rollout_tp, sync)
     elif c.weight_sync == "relay":
@@ -470,12 +475,17 @@ class Simulation:
         b, wall = self.book, self.now
         self._count_generated()
         train_wall = max(b.last_train_end_s, 1e-9)
+        # The steady step: between the first and the last step's end (a pipeline's first
+        # step also waits for its first batch).
+        ends = [t for v, t in sorted(self.published.items()) if v >= 1]
+        step_s = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else train_wall
         busy = np.array([i.busy_s for i in self.inst])
         return {"preset": self.cfg.preset, "gpus": self.cfg.gpus, "steps": b.steps_done,
                 "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
                 "trained_seq_tokens": self.seq_tokens,
                 "trained_seq_tokens_per_s": self.seq_tokens / train_wall,
                 "version": b.trainer_version, "trained_tokens": b.trained_tokens,
+                "step_s": step_s,
                 "generated_tokens": b.generated_tokens, "staleness_checked_tokens": b.checked_tokens,
                 "staleness_checked_max": b.max_staleness, "eta": self.eta,
                 **{k: b.counts[k] for k in report.COUNT_KEYS},

@@ -42,6 +42,12 @@ class ClusterSpec:
     """>= 0: the trainer's publish stall (measured) instead of the model's."""
     pull_s: float = -1.0
     """>= 0: a rollout's weight load (measured) instead of the model's."""
+    rollout_dtype_bytes: int = 0
+    """Bytes per weight on the rollouts (0: the model's; 1: fp8, as LlamaRL's generator,
+    §4.3): their decode reads, KV room and weight loads."""
+    tp_comm: bool = False
+    """Charge every decode step its tensor-parallel all-reduces (two per layer, costs.toml
+    [tp_comm]): cheap within one machine, dear across machines (LlamaRL §4.3: mp > 8)."""
 
     def __post_init__(self):
         check(self.placement in PLACEMENTS, "ClusterSpec", "placement", self.placement,
@@ -50,7 +56,7 @@ class ClusterSpec:
               f"must be one of {WEIGHT_SYNCS}")
         for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
-        for name in ("train_gpus", "kv_capacity_tokens", "train_step_s"):
+        for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")

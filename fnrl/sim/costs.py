@@ -95,6 +95,15 @@ class TrainParams:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TpCommParams:
+    allreduce_intra_s: float = 10e-6
+    allreduce_inter_s: float = 50e-6
+
+    def __post_init__(self):
+        positive(self, "allreduce_intra_s", "allreduce_inter_s")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DecodeCosts:
     """One rollout instance's engine: the decode model plus prefill and per-request
     costs (the extra terms `profile_cost` fits beside it)."""
@@ -169,15 +178,27 @@ def steps_within(cost: CostModel, kv0: float, n: int, dt: float) -> int:
     return m
 
 
-def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams) -> DecodeCosts:
+def tp_allreduce_s(model: ModelSpec, tp: int, gpus_per_machine: int, p: TpCommParams) -> float:
+    """A decode step's tensor-parallel communication: Megatron-style TP all-reduces twice a
+    layer (after attention and after the MLP); an instance wider than a machine crosses
+    the network on every one."""
+    if tp <= 1:
+        return 0.0
+    each = p.allreduce_intra_s if tp <= gpus_per_machine else p.allreduce_inter_s
+    return 2 * model.layers * each
+
+
+def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams,
+                    comm_s: float = 0.0) -> DecodeCosts:
     """Eq. 11's coefficients from first principles for one instance of `tp` GPUs:
     k1 reads one KV token, k2 reads every weight once (an MoE at a large batch touches
     all experts), k3 is one sequence's matmul FLOPs past the roofline, k4 the fixed
-    per-step overhead; prefill is compute-bound at prefill_mfu."""
+    per-step overhead plus `comm_s` (`tp_allreduce_s`); prefill is compute-bound at
+    prefill_mfu."""
     bw = tp * gpu.hbm_bw * p.hbm_efficiency
     cost = CostModel(k1=model.kv_bytes_per_token / bw, k2=model.weight_bytes / bw,
                      k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu),
-                     k4=p.step_overhead_s, k5=1.0)
+                     k4=p.step_overhead_s + comm_s, k5=1.0)
     prefill = 2 * model.active_params / (tp * gpu.peak_flops * p.prefill_mfu)
     return DecodeCosts(cost=cost, prefill_s_per_token=prefill)
 

@@ -1,0 +1,251 @@
+"""LlamaRL (seed 004, arXiv 2505.24034): its RL step against a colocated synchronous
+baseline at 8B, 70B and 405B (Table 3: 2.52×, 3.98×, 10.7×).
+
+Both sides are laid out by `fnrl.policy.split`, the paper's own planner (§7) over its
+per-GPU memory model (Table 2), fed with the simulator's cost models:
+  - baseline: `plan_colocated` picks one model-parallel degree m and the batch sizes
+    under the shared limit (5W + A_t·b_t + K_g·b_g)/m ≤ M; the simulator runs `sync`,
+    colocated, rollouts of TP m, at most b_g sequences each, with the KV room the
+    trainer's state leaves (the memory model shrinks the baseline's batch);
+  - LlamaRL: `plan_split` picks the trainer's GPUs and each side's degree under its own
+    limit; the simulator runs `one_step` (LlamaRL's asynchronous off-policy mode, one
+    step of delay, §4.2) disaggregated, with the generator in fp8 where Table 3's
+    headline row has it (70B, 405B).
+Weight sync is LlamaRL's DDMA (§5.2): the `nccl` option (a GPU-to-GPU transfer the
+trainer takes part in and waits for; `relay` stages through host memory, which DDMA
+avoids), at Table 4's measured times.
+
+Each size also runs Table 3's own headline layout (its GPU split, degrees and decode
+concurrency) under the same cost models, so that what the planner chooses and what the
+paper ran can be told apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from fnrl.policy.split import Plan, SplitProblem, plan_colocated, plan_split
+from fnrl.sim import costs
+from fnrl.sim.config import ClusterSpec, SimConfig
+from fnrl.sim.repro import Claim, Setup, register
+from fnrl.sim.workload import WorkloadSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Size:
+    """One model size of Table 3: its GPUs, the two step times, the headline LlamaRL
+    row's layout (trainer GPUs, degrees, precision, decode concurrency per instance) and
+    the baseline's (one degree, its concurrency), and Table 4's DDMA time."""
+
+    name: str
+    model: str
+    gpus: int
+    baseline_s: float
+    llamarl_s: float
+    gen_dtype_bytes: int        # 2: bf16; 1: fp8
+    ddma_s: float
+    paper_train_gpus: int
+    paper_mp_gen: int
+    paper_seqs_gen: int
+    paper_mp_colocated: int
+    paper_seqs_colocated: int
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_s / self.llamarl_s
+
+
+# Table 3 (step times, GPUs, mp, "max decode concurrency" = per dp group × dp size) and
+# Table 4 (DDMA: 0.04 s at 7/8B, 1.15 s at 70B, 2.31 s at 405B). The 70B fp8 row's
+# concurrency "16 x 34" reads as 34 = 136 / 4 generator instances (the digest notes the
+# GPU columns look swapped); its 120-GPU generator at mp 4 makes 30, as used here.
+SIZES = (
+    Size(name="8B", model="llama3.1-8b", gpus=256, baseline_s=22.45, llamarl_s=8.90,
+         gen_dtype_bytes=2, ddma_s=0.04, paper_train_gpus=128, paper_mp_gen=1,
+         paper_seqs_gen=32, paper_mp_colocated=8, paper_seqs_colocated=16),
+    Size(name="70B", model="llama3.1-70b", gpus=256, baseline_s=82.32, llamarl_s=20.67,
+         gen_dtype_bytes=1, ddma_s=1.15, paper_train_gpus=136, paper_mp_gen=4,
+         paper_seqs_gen=16, paper_mp_colocated=8, paper_seqs_colocated=16),
+    Size(name="405B", model="llama3.1-405b", gpus=1024, baseline_s=635.8, llamarl_s=59.5,
+         gen_dtype_bytes=1, ddma_s=2.31, paper_train_gpus=512, paper_mp_gen=8,
+         paper_seqs_gen=32, paper_mp_colocated=64, paper_seqs_colocated=32),
+)
+
+# §8.2: 512 prompts × n = 4 per step. MATH prompts and responses: lengths assumed (the
+# paper gives none): prompts of 256 tokens, responses lognormal around 400 tokens
+# (σ = 0.6), at most 2,048.
+WORKLOAD = WorkloadSpec(groups_per_step=512, group_size=4, prompt_len=256, len_median=400,
+                        len_sigma=0.6, len_max=2048)
+FNRL_SIZE = "70B"     # the size whose LlamaRL layout also runs the `fnrl` preset
+STEPS, QUICK_STEPS = 8, 2
+
+
+def mean_response(w: WorkloadSpec) -> float:
+    """The lognormal's mean (its clipping at len_max moves it by < 0.1% here)."""
+    return w.len_median * math.exp(w.len_sigma ** 2 / 2)
+
+
+def expected_longest(w: WorkloadSpec, b: int) -> float:
+    """The longest of b responses, roughly: the lognormal's b/(b + 1) quantile, clipped."""
+    z = statistics.NormalDist().inv_cdf(b / (b + 1))
+    return min(w.len_median * math.exp(w.len_sigma * z), w.len_max)
+
+
+def activation_bytes(model: costs.ModelSpec, seq: int) -> float:
+    """A_t per sample: with activation checkpointing the trainer keeps each layer's input,
+    hidden × 2 bytes per token per layer (assumed; the paper gives no A_t)."""
+    return model.layers * model.attn_dim * model.dtype_bytes * seq
+
+
+def problem(size: Size, w: WorkloadSpec = WORKLOAD, table: dict | None = None) -> SplitProblem:
+    """Table 2's memory model for one size: M is vLLM's share of HBM, a sequence holds the
+    KV of its longest context."""
+    table = table or costs.load_table()
+    gpu, model = costs.gpu_spec("h100", table), costs.model_spec(size.model, table)
+    roof = costs.RooflineParams(**table.get("roofline", {}))
+    seq = w.prompt_len + w.len_max
+    return SplitProblem(gpus=size.gpus, batch=w.groups_per_step * w.group_size,
+                        gpu_memory=gpu.hbm_bytes * roof.kv_memory_fraction,
+                        weights=model.weight_bytes,
+                        gen_weights=model.params * size.gen_dtype_bytes,
+                        act_per_sample=activation_bytes(model, seq),
+                        kv_per_sample=model.kv_bytes_per_token * seq)
+
+
+def per_sample_times(size: Size, generator_dtype_bytes: int, w: WorkloadSpec = WORKLOAD,
+                     table: dict | None = None):
+    """(η_t(b, m), η_g(b, m)) from the simulator's own cost models: the trainer's FLOPs
+    for a sample of mean length on m GPUs (no batch effect in that model), and one
+    instance of m GPUs prefilling and decoding a batch of b (roofline, with TP
+    communication)."""
+    table = table or costs.load_table()
+    gpu, model = costs.gpu_spec("h100", table), costs.model_spec(size.model, table)
+    roof = costs.RooflineParams(**table.get("roofline", {}))
+    comm = costs.TpCommParams(**table.get("tp_comm", {}))
+    train = costs.TrainParams(**table.get("train", {}))
+    served = dataclasses.replace(model, dtype_bytes=generator_dtype_bytes)
+    machine = ClusterSpec().gpus_per_machine
+    response = mean_response(w)
+    flops = costs.train_flops(model, [w.prompt_len + response],
+                              logprob_forward=train.logprob_forward)
+
+    def eta_t(b: int, m: int) -> float:
+        return flops / (m * gpu.peak_flops * train.mfu)
+
+    def eta_g(b: int, m: int) -> float:
+        # τ_g(b) is the time to generate a batch of b (Definition 7.3), so it ends with the
+        # batch's longest response: all b decode together for the mean length, then the
+        # longest goes on alone to the expected maximum of b draws.
+        engine = costs.roofline_decode(served, gpu, m, roof,
+                                       costs.tp_allreduce_s(model, m, machine, comm))
+        mean, longest = round(response), round(expected_longest(w, b))
+        wave = (b * w.prompt_len * engine.prefill_s_per_token
+                + costs.decode_steps_s(engine.cost, b * w.prompt_len, b, mean)
+                + costs.decode_steps_s(engine.cost, w.prompt_len + mean, 1,
+                                       max(longest - mean, 0)))
+        return wave / b
+
+    return eta_t, eta_g
+
+
+def kv_room_tokens(p: SplitProblem, kv_per_token: float, m: int, held: float) -> int:
+    """KV tokens an instance of m GPUs holds once `held` bytes (weights, and in the
+    colocated baseline the trainer's state) are in."""
+    return int((m * p.gpu_memory - held) // kv_per_token)
+
+
+def plans(size: Size, w: WorkloadSpec = WORKLOAD) -> tuple[Plan, Plan]:
+    """(colocated, split): the baseline in bf16 throughout, LlamaRL's generator in the
+    headline row's precision."""
+    p = problem(size, w)
+    colocated = plan_colocated(dataclasses.replace(p, gen_weights=0.0),
+                               *per_sample_times(size, 2, w))
+    return colocated, plan_split(p, *per_sample_times(size, size.gen_dtype_bytes, w))
+
+
+def _cluster(size: Size, **kw) -> ClusterSpec:
+    return ClusterSpec(gpu="h100", model=size.model, decode="roofline", tp_comm=True, **kw)
+
+
+def baseline_config(size: Size, mp: int, seqs: int, b_t: int | None, steps: int,
+                    w: WorkloadSpec = WORKLOAD) -> SimConfig:
+    """`sync` colocated: every GPU trains, then serves at TP mp, its KV room what the
+    trainer's state (4W + A_t·b_t) and the weights leave; b_t None: Table 3's layout,
+    which Table 2's model cannot hold at 70B (5W/8 = 88 GB a GPU), so its KV room is
+    the engine's own and its stated concurrency the limit."""
+    p, model = problem(size, w), costs.model_spec(size.model)
+    kv = 0 if b_t is None else kv_room_tokens(p, model.kv_bytes_per_token, mp,
+                                               5 * p.weights + p.act_per_sample * b_t)
+    return SimConfig(preset="sync", gpus=size.gpus, steps=steps, plots=False, workload=w,
+                     cluster=_cluster(size, placement="colocated", rollout_tp=mp,
+                                      max_num_seqs=seqs, kv_capacity_tokens=kv))
+
+
+def llamarl_config(size: Size, train_gpus: int, mp_gen: int, seqs: int, steps: int,
+                   preset: str = "one_step", w: WorkloadSpec = WORKLOAD) -> SimConfig:
+    """Disaggregated: the trainer on its GPUs, generators of TP mp_gen (fp8 where the
+    headline row is), weights moved by DDMA in Table 4's time."""
+    p, model = problem(size, w), costs.model_spec(size.model)
+    return SimConfig(preset=preset, gpus=size.gpus, steps=steps, plots=False, workload=w,
+                     cluster=_cluster(size, placement="disaggregated", train_gpus=train_gpus,
+                                      rollout_tp=mp_gen, max_num_seqs=seqs,
+                                      rollout_dtype_bytes=size.gen_dtype_bytes,
+                                      weight_sync="nccl", publish_s=size.ddma_s,
+                                      pull_s=size.ddma_s,
+                                      kv_capacity_tokens=kv_room_tokens(
+                                          p, model.kv_bytes_per_token, mp_gen, p.gen_weights)))
+
+
+def runs_for(size: Size, steps: int) -> dict[str, SimConfig]:
+    colocated, split = plans(size)
+    return {
+        f"baseline {size.name}": baseline_config(size, colocated.mp_gen, colocated.batch_gen,
+                                                 colocated.batch_train, steps),
+        f"llamarl {size.name}": llamarl_config(size, split.gpus_train, split.mp_gen,
+                                               split.batch_gen, steps),
+        f"baseline {size.name} (Table 3)": baseline_config(
+            size, size.paper_mp_colocated, size.paper_seqs_colocated, None, steps),
+        f"llamarl {size.name} (Table 3)": llamarl_config(
+            size, size.paper_train_gpus, size.paper_mp_gen, size.paper_seqs_gen, steps),
+    }
+
+
+@register("llamarl")
+def setup(quick: bool = False) -> Setup:
+    steps = QUICK_STEPS if quick else STEPS
+    runs: dict[str, SimConfig] = {}
+    claims = []
+    for size in SIZES:
+        runs.update(runs_for(size, steps))
+        for tag in ("", " (Table 3)"):
+            claims.append(Claim(name=f"{size.name}{tag or ' (planned)'}",
+                                system=f"llamarl {size.name}{tag}",
+                                baseline=f"baseline {size.name}{tag}", paper=size.speedup,
+                                metric="step_s", lower_is_better=True))
+    fnrl_size = next(s for s in SIZES if s.name == FNRL_SIZE)
+    _, split = plans(fnrl_size)
+    runs["fnrl"] = llamarl_config(fnrl_size, split.gpus_train, split.mp_gen, split.batch_gen,
+                                  steps, preset="fnrl")
+    return Setup(
+        paper="LlamaRL (seed 004)",
+        setup=("Llama 3.1 8B / 70B / 405B on 256 / 256 / 1,024 H100s, MATH, 512 prompts × 4 "
+               "per step (global batch 2,048). Baseline: synchronous on-policy, generation "
+               "and training colocated at one mp (DeepSpeed-Chat-like). LlamaRL: trainer and "
+               "generator on their own GPUs, one step off-policy, DDMA weight sync, fp8 "
+               "generator at 70B and 405B. Metric: seconds per RL step (Table 3)."),
+        runs=runs, claims=tuple(claims),
+        assumptions=(
+            "Layouts from fnrl.policy.split (planned) and, beside them, Table 3's own.",
+            "Memory per GPU M = 0.9 × 80 GB; trainer 4W + A_t·b_t (Table 2), A_t = "
+            "layers × hidden × 2 bytes × (prompt + max response) (activation "
+            "checkpointing); K_g = KV bytes per token × (prompt + max response).",
+            "MATH lengths: prompts 256 tokens, responses lognormal median 400, σ 0.6, "
+            "max 2,048 (the paper gives none).",
+            "Decode: the roofline model with two TP all-reduces a layer, 10 µs within a "
+            "machine and 50 µs across machines (costs.toml [tp_comm]).",
+            "Training: FLOPs at MFU 0.35 on the trainer's GPUs, whatever its mp.",
+            "DDMA as the nccl option at Table 4's times (0.04 / 1.15 / 2.31 s).",
+            f"The fnrl preset runs on the {FNRL_SIZE} planned LlamaRL layout.",
+        ))
