@@ -150,6 +150,8 @@ class Simulation:
         self.kv_prev = np.zeros(self.lay.rollouts)
         self.done = False
         self.training: dict = {}              # the train step in flight
+        self.train_gen = 0                    # bumps invalidate a rescheduled TRAIN event
+        self.slowdown = 1.0                   # cluster.shared_cores: busy roles / cores
         self.seq_tokens = 0                   # trained prompt + response tokens
         self.stats = Counter()                # the simulator's own: events, cycles, decide_s
         self.timeline: list[dict] = []
@@ -163,9 +165,12 @@ class Simulation:
         heapq.heappush(self.heap, (t, self.seq, kind, a, b))
 
     def reschedule(self) -> None:
+        if self.cfg.cluster.shared_cores:
+            self.share_cores()
+        for r in sorted(self.dirty_inst):
+            self.inst[r].admit(self.now)
         for r in sorted(self.dirty_inst):
             inst = self.inst[r]
-            inst.admit(self.now)
             inst.gen += 1
             ev = inst.next_event()
             if ev is not None:
@@ -205,6 +210,27 @@ class Simulation:
         elif self.tick_at is None:
             self.tick(self.last_cycle + self.cfg.cycle_s)
 
+    def share_cores(self) -> None:
+        """Busy roles share the host's cores (ClusterSpec.shared_cores): when their number
+        changes the slowdown, the train step in flight is re-timed (the work left, at the
+        new speed) and every rollout from its last step boundary (a prefill in progress
+        keeps its end). A rollout is busy with a running batch or a queue it will admit."""
+        busy = int(self.book.trainer_busy) + sum((i.n > 0 or bool(i.queue)) and not i.pulling
+                                                 for i in self.inst)
+        f = max(1.0, busy / self.cfg.cluster.shared_cores)
+        if f == self.slowdown:
+            return
+        for r, inst in enumerate(self.inst):
+            inst.advance(self.now)
+            inst.set_slowdown(f)
+            self.dirty_inst.add(r)
+        if self.book.trainer_busy:
+            p = self.training
+            p["end"] = self.now + (p["end"] - self.now) * f / self.slowdown
+            self.train_gen += 1
+            self.push(p["end"], TRAIN, self.train_gen)
+        self.slowdown = f
+
     def tick(self, at: float) -> None:
         """A cycle at `at` unless something wakes one sooner (supersedes any other)."""
         self.tick_id += 1
@@ -239,7 +265,7 @@ class Simulation:
             self.dirty_inst.add(a)
             return True
         if kind == TRAIN:
-            return self.train_done()
+            return a == self.train_gen and self.train_done()
         if kind == TOOL_RETURN:
             self.tool_returned(a)
             return False
@@ -458,7 +484,8 @@ class Simulation:
                          "version": cmd.version, "response_len_mean": float(responses.mean())}
         self.consumed_log.append({"version": cmd.version, "staleness_max": worst,
                                   "checked_tokens": checked})
-        self.push(self.now + train_s + self.lay.publish_s, TRAIN)
+        self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.slowdown
+        self.push(self.training["end"], TRAIN, self.train_gen)
 
     def train_done(self) -> bool:
         book, p = self.book, self.training

@@ -31,6 +31,7 @@ batch changes finishes with the new batch (membership changes at step boundaries
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 
@@ -99,6 +100,7 @@ class Instance:
     def __init__(self, rid: int, decode: DecodeCosts, trajs: Trajectories, *, kv_capacity: int,
                  max_num_seqs: int, version: int = 0, hold_kv: bool = True):
         self.rid, self.trajs = rid, trajs
+        self.decode = decode
         self.cost = decode.cost
         self.prefill_s, self.request_s = decode.prefill_s_per_token, decode.per_request_s
         self.cap, self.max_num_seqs, self.version = float(kv_capacity), max_num_seqs, version
@@ -143,6 +145,13 @@ class Instance:
         # future: prefill, or a step finishing) has no step of its own running.
         self._step_end = self.t + costs.step_s(self.cost, self.kv, self.n) if self.t <= now \
             else self.t
+
+    def set_slowdown(self, f: float) -> None:
+        """Every decode step and prefill takes f times its cost from here on (cores shared
+        with other roles). Call after `advance`; the caller reschedules the next event."""
+        c, d = self.decode.cost, self.decode
+        self.cost = dataclasses.replace(c, k1=c.k1 * f, k2=c.k2 * f, k3=c.k3 * f, k4=c.k4 * f)
+        self.prefill_s, self.request_s = d.prefill_s_per_token * f, d.per_request_s * f
 
     def _take(self, m: int) -> None:
         dt = costs.decode_steps_s(self.cost, self.kv, self.n, m)
