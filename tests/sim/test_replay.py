@@ -75,7 +75,7 @@ def test_replay_quick_runs(tmp_path):
     s = res.summaries[0]
     assert s["sync"]["steps"] == 3 and s["fnrl"]["steps"] == 3
     # Sharing cores only slows the overlapping preset; sync takes turns.
-    assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync, own cores"]["trained_tokens_per_s"])
-    assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl, own cores"]["trained_tokens_per_s"]
+    assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
+    assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
     assert len(out["rows"]) == 4

@@ -132,15 +132,15 @@ def setup(quick: bool = False) -> Setup:
                          loop_ticks=True, cluster=cluster, workload=spec, plots=False)
 
     runs = {p: config(p, shared) for p in presets}
-    runs.update({f"{p}, own cores": config(p, own) for p in presets})
-    runs.update({f"measured {p}": measured(p) for p in presets})
+    runs.update({f"{p}_own_cores": config(p, own) for p in presets})
+    runs.update({f"measured_{p}": measured(p) for p in presets})
     metric = "trained_tokens_per_s"
     claims = tuple(Claim(name=f"{p} × sync", system=p, baseline="sync", paper=MEASURED_X_SYNC[p],
                          metric=metric, tolerance=TOLERANCE) for p in presets if p != "sync")
-    claims += tuple(Claim(name=f"{p} × sync, own cores", system=f"{p}, own cores",
-                          baseline="sync, own cores", paper=MEASURED_X_SYNC[p], metric=metric,
+    claims += tuple(Claim(name=f"{p} × sync, own cores", system=f"{p}_own_cores",
+                          baseline="sync_own_cores", paper=MEASURED_X_SYNC[p], metric=metric,
                           tolerance=TOLERANCE) for p in presets if p != "sync")
-    claims += tuple(Claim(name=f"{p}, absolute", system=p, baseline=f"measured {p}", paper=1.0,
+    claims += tuple(Claim(name=f"{p}, absolute", system=p, baseline=f"measured_{p}", paper=1.0,
                           metric=metric, tolerance=TOLERANCE) for p in ("sync", "fnrl"))
     return Setup(
         paper="Replay of this machine's presets benchmark",
