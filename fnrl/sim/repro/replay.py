@@ -43,7 +43,7 @@ from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.repro import Claim, Setup, register
 from fnrl.sim.workload import WorkloadSpec, group_lengths
 
-SOURCE = "docs/ablations.md, the presets table (lines 95-101), measured 2026-11-23"
+SOURCE = "docs/ablations.md, the presets table (lines 97-104), measured 2026-11-23"
 
 MEASURED_TOKENS_PER_S = {   # trained tok/s, median of 2 rounds
     "sync": 621.3, "one_step": 600.7, "partial_rollout": 630.0, "laminar": 561.6,
