@@ -26,6 +26,8 @@ What is measured and what is derived:
   and the σ that gives the measured mean: 17,328 trained tokens over 8 steps × 32
   trajectories (the figure every cell reached, docs/ablations.md) is 67.7 tokens a
   response, so σ = √(2 ln(67.7/50)) = 0.78. Capped at algo.max_new_tokens (352).
+- Cores: the trainer and both servers share the machine's 2 cores
+  (`cluster.shared_cores`); the `_own_cores` runs give every role its own device.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def cost_file(spec: WorkloadSpec) -> str:
 
 
 def measured(preset: str):
+    """The measured figure as a run (the same for every simulation seed)."""
     def run(seed: int) -> dict:
         return {"trained_tokens_per_s": MEASURED_TOKENS_PER_S[preset]}
     return run
