@@ -25,13 +25,13 @@ from fnrl.policy import schedule
 from fnrl.policy.routing import snapshot_is_valid
 from fnrl.sim import costs
 from fnrl.sim.config import SimConfig
-from fnrl.sim.engine import (CLOCK_RESOLUTION_S, GONE, IN_TS, QUEUED, RUNNING, Instance,
+from fnrl.sim.engine import (CLOCK_RESOLUTION_S, GONE, IN_TS, QUEUED, RUNNING, TOOL, Instance,
                              Trajectories)
-from fnrl.sim.workload import group_lengths
+from fnrl.sim.workload import group_lengths, tool_latency, turn_ends
 from fnrl.types import (Abort, ClusterSnapshot, Consume, DropGroups, Evaluate, FillPrompts,
                         Interrupt, Migrate, Pull, Route)
 
-INST, PULL, TRAIN, TICK = range(4)     # event kinds
+INST, PULL, TRAIN, TICK, TOOL_RETURN = range(5)     # event kinds
 MAX_CYCLES_AT_ONCE = 64                # cycles at one instant (cycle_s = 0) before it is a bug
 
 
@@ -137,7 +137,8 @@ class Simulation:
         self.eta = self.plan.cycle.staleness.eta
         self.trajs = Trajectories()
         self.inst = [Instance(r, self.lay.decode, self.trajs, kv_capacity=self.lay.kv_capacity,
-                              max_num_seqs=cfg.cluster.max_num_seqs)
+                              max_num_seqs=cfg.cluster.max_num_seqs,
+                              hold_kv=cfg.workload.tool_holds_kv)
                      for r in range(self.lay.rollouts)]
         self.book = Book(trainer_version=0, steps_done=0)
         self.state = schedule.init_schedule(self.plan, [0] * self.lay.rollouts, v_train=0, steps_done=0)
@@ -154,6 +155,8 @@ class Simulation:
         self.kv_prev = np.zeros(self.lay.rollouts)
         self.done = False
         self.training: dict = {}              # the train step in flight
+        self.train_gen = 0                    # bumps invalidate a rescheduled TRAIN event
+        self.slowdown = 1.0                   # cluster.shared_cores: busy roles / cores
         self.seq_tokens = 0                   # trained prompt + response tokens
         self.stats = Counter()                # the simulator's own: events, cycles, decide_s
         self.timeline: list[dict] = []
@@ -167,9 +170,12 @@ class Simulation:
         heapq.heappush(self.heap, (t, self.seq, kind, a, b))
 
     def reschedule(self) -> None:
+        if self.cfg.cluster.shared_cores:
+            self.share_cores()
+        for r in sorted(self.dirty_inst):
+            self.inst[r].admit(self.now)
         for r in sorted(self.dirty_inst):
             inst = self.inst[r]
-            inst.admit(self.now)
             inst.gen += 1
             ev = inst.next_event()
             if ev is not None:
@@ -209,6 +215,27 @@ class Simulation:
         elif self.tick_at is None:
             self.tick(self.last_cycle + self.cfg.cycle_s)
 
+    def share_cores(self) -> None:
+        """Busy roles share the host's cores (ClusterSpec.shared_cores): when their number
+        changes the slowdown, the train step in flight is re-timed (the work left, at the
+        new speed) and every rollout from its last step boundary (a prefill in progress
+        keeps its end). A rollout is busy with a running batch or a queue it will admit."""
+        busy = int(self.book.trainer_busy) + sum((i.n > 0 or bool(i.queue)) and not i.pulling
+                                                 for i in self.inst)
+        f = max(1.0, busy / self.cfg.cluster.shared_cores)
+        if f == self.slowdown:
+            return
+        for r, inst in enumerate(self.inst):
+            inst.advance(self.now)
+            inst.set_slowdown(f)
+            self.dirty_inst.add(r)
+        if self.book.trainer_busy:
+            p = self.training
+            p["end"] = self.now + (p["end"] - self.now) * f / self.slowdown
+            self.train_gen += 1
+            self.push(p["end"], TRAIN, self.train_gen)
+        self.slowdown = f
+
     def tick(self, at: float) -> None:
         """A cycle at `at` unless something wakes one sooner (supersedes any other)."""
         self.tick_id += 1
@@ -227,6 +254,9 @@ class Simulation:
                 self.group_left[gid] -= 1
                 if self.group_left[gid] == 0:
                     self.rewarded.append(gid)
+            for tid in inst.tool_calls:
+                self.call_tool(tid)
+            inst.tool_calls.clear()
             self.dirty_inst.add(a)
             return bool(finished)
         if kind == PULL:
@@ -240,7 +270,10 @@ class Simulation:
             self.dirty_inst.add(a)
             return True
         if kind == TRAIN:
-            return self.train_done()
+            return a == self.train_gen and self.train_done()
+        if kind == TOOL_RETURN:
+            self.tool_returned(a)
+            return False
         if a != self.tick_id:   # TICK: superseded by a later one
             return False
         self.tick_at = None
@@ -326,7 +359,7 @@ class Simulation:
             for tid in cmd.tids:
                 assert tr.state[tid] == IN_TS, (tid, tr.state[tid])
                 self._continues(cmd.rid, tid)
-                self.inst[cmd.rid].enqueue(tid)
+                self._place(cmd.rid, tid)
             self.dirty_inst.add(cmd.rid)
             counts["routed"] += len(cmd.tids)
         elif isinstance(cmd, Interrupt):
@@ -336,7 +369,7 @@ class Simulation:
             self._leave(cmd.src, cmd.tids)
             for tid in cmd.tids:
                 self._continues(cmd.dst, tid)
-                self.inst[cmd.dst].enqueue(tid)
+                self._place(cmd.dst, tid)
             self.dirty_inst.add(cmd.dst)
             counts["migrated"] += len(cmd.tids)
             counts["repacks"] += 1
@@ -367,9 +400,34 @@ class Simulation:
         inst = self.inst[rid]
         inst.advance(self.now)
         for tid in tids:
-            assert self.trajs.inst[tid] == rid and self.trajs.state[tid] in (QUEUED, RUNNING), tid
+            assert self.trajs.inst[tid] == rid and self.trajs.state[tid] in (QUEUED, RUNNING, TOOL), tid
             inst.remove(tid)
         self.dirty_inst.add(rid)
+
+    def _place(self, rid: int, tid: int) -> None:
+        """Queues a placed trajectory, or parks it until its tool call returns."""
+        if self.trajs.tool_until[tid] > self.now + CLOCK_RESOLUTION_S:
+            self.inst[rid].await_tool(tid)
+        else:
+            self.inst[rid].enqueue(tid)
+
+    def call_tool(self, tid: int) -> None:
+        """A turn ended: its tool call returns after the workload's latency."""
+        tr = self.trajs
+        call = sum(e <= tr.gen[tid] for e in turn_ends(int(tr.target[tid]), int(tr.turns[tid])))
+        self.stats["tool_calls"] += 1
+        t = self.now + tool_latency(self.cfg.workload, self.cfg.seed, tid, call)
+        tr.tool_until[tid] = t
+        self.push(t, TOOL_RETURN, tid)
+
+    def tool_returned(self, tid: int) -> None:
+        """The observation joins its context; its engine resumes it (if it is placed)."""
+        tr = self.trajs
+        tr.prompt[tid] += self.cfg.workload.tool_tokens
+        if tr.state[tid] == TOOL:
+            rid = int(tr.inst[tid])
+            self.inst[rid].tool_returned(tid)
+            self.dirty_inst.add(rid)
 
     def fill(self, num_groups: int) -> None:
         w, G = self.cfg.workload, self.cfg.workload.group_size
@@ -377,7 +435,7 @@ class Simulation:
         for _ in range(num_groups):
             gid = len(self.group_left)
             lengths = group_lengths(w, self.cfg.seed, gid, gid / total)
-            self.trajs.add(gid, w.prompt_len, lengths)
+            self.trajs.add(gid, w.prompt_len, lengths, w.turns)
             self.group_left.append(G)
 
     def pull(self, rid: int) -> None:
@@ -431,7 +489,8 @@ class Simulation:
                          "version": cmd.version, "response_len_mean": float(responses.mean())}
         self.consumed_log.append({"version": cmd.version, "staleness_max": worst,
                                   "checked_tokens": checked})
-        self.push(self.now + train_s + self.lay.publish_s, TRAIN)
+        self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.slowdown
+        self.push(self.training["end"], TRAIN, self.train_gen)
 
     def train_done(self) -> bool:
         book, p = self.book, self.training
@@ -497,7 +556,7 @@ class Simulation:
                 "rollout_gpus": self.lay.rollouts * self.cfg.cluster.rollout_tp,
                 "kv_capacity_tokens": self.lay.kv_capacity, "publish_s": self.lay.publish_s,
                 "pull_s": self.lay.pull_s, "cost_model": dataclasses.asdict(self.lay.decode.cost),
-                "trajectories": self.trajs.n,
+                "trajectories": self.trajs.n, "tool_calls": self.stats["tool_calls"],
                 "sim_events": self.stats["events"], "sim_cycles": self.stats["cycles"],
                 "sim_decide_s": self.stats["decide_s"],
                 "sim_invalid_cycles": self.stats["invalid_cycles"],

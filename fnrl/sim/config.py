@@ -48,6 +48,12 @@ class ClusterSpec:
     tp_comm: bool = False
     """Charge every decode step its tensor-parallel all-reduces (two per layer, costs.toml
     [tp_comm]): cheap within one machine, dear across machines (LlamaRL §4.3: mp > 8)."""
+    shared_cores: int = 0
+    """> 0: every role runs on one host of this many CPU cores (a CPU-only replay of
+    this machine: 2). Each busy role (the trainer in a step, a rollout with a running
+    batch) runs on at most one core, and when more roles are busy than there are cores
+    they share them equally: decode steps and the train step take busy / cores times
+    longer. 0: each role has its own devices."""
 
     def __post_init__(self):
         check(self.placement in PLACEMENTS, "ClusterSpec", "placement", self.placement,
@@ -56,7 +62,8 @@ class ClusterSpec:
               f"must be one of {WEIGHT_SYNCS}")
         for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
-        for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes"):
+        for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
+                     "shared_cores"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")

@@ -17,6 +17,12 @@ the next completion and the step at which the KV cache would overflow.
   later allocations have used up the free space it left (LRU), and a weight load resets
   the cache (fnrl's servers call /reset_prefix_cache after every pull).
 - Pull: the engine stops generating until the new weights are loaded.
+- Tool calls (multi-turn workloads, `WorkloadSpec.turns` > 1): at the end of each turn
+  but the last the trajectory leaves the batch for its call (state TOOL, still placed
+  here). It keeps its KV blocks (counted against capacity, not in the step's KV term)
+  or releases them (the prefix cache may keep them); when the call returns it goes to
+  the front of the queue, its context grown by the tool's observation, and admission
+  prefills what is not held or cached. A weight load drops held blocks.
 
 Gaps (ours): KV is counted in tokens (a sequence's partly filled last block is
 ignored: under 16 tokens of a multi-thousand-token context); a step in progress when the
@@ -25,6 +31,7 @@ batch changes finishes with the new batch (membership changes at step boundaries
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 
@@ -32,8 +39,9 @@ import numpy as np
 
 from fnrl.sim import costs
 from fnrl.sim.costs import DecodeCosts
+from fnrl.sim.workload import turn_ends
 
-IN_TS, QUEUED, RUNNING, GONE = 0, 1, 2, 3   # Trajectories.state
+IN_TS, QUEUED, RUNNING, GONE, TOOL = 0, 1, 2, 3, 4   # Trajectories.state
 CLOCK_RESOLUTION_S = 1e-9
 """Times this close are simultaneous (asyncio runs every timer due within its clock's
 resolution in one iteration; the real loop, tests/sim/test_real_loop.py, does)."""
@@ -52,13 +60,16 @@ class Trajectories:
         self.fin_step = np.zeros(capacity, np.int64)   # ... and when it will finish
         self.inst = np.full(capacity, -1, np.int64)    # -1: in the TS (or gone)
         self.state = np.zeros(capacity, np.int8)
+        self.turns = np.ones(capacity, np.int64)       # decode turns (tool calls between)
+        self.tool_until = np.zeros(capacity)           # when its last tool call returns
         self.segments: list[list[tuple[int, int]]] = []   # (version, tokens) per placement
 
-    def add(self, gid: int, prompt: int, targets: np.ndarray) -> range:
+    def add(self, gid: int, prompt: int, targets: np.ndarray, turns: int = 1) -> range:
         k = len(targets)
         if self.n + k > len(self.gid):
             grow = max(len(self.gid), k)
-            for name in ("gid", "prompt", "target", "gen", "join_step", "fin_step", "inst", "state"):
+            for name in ("gid", "prompt", "target", "gen", "join_step", "fin_step", "inst", "state",
+                         "turns", "tool_until"):
                 a = getattr(self, name)
                 fill = -1 if name == "inst" else 0
                 setattr(self, name, np.concatenate([a, np.full(grow, fill, a.dtype)]))
@@ -66,6 +77,7 @@ class Trajectories:
         self.gid[tids.start:tids.stop] = gid
         self.prompt[tids.start:tids.stop] = prompt
         self.target[tids.start:tids.stop] = targets
+        self.turns[tids.start:tids.stop] = turns
         self.segments.extend([] for _ in tids)
         self.n += k
         return tids
@@ -73,13 +85,22 @@ class Trajectories:
     def context(self, tid: int) -> int:
         return int(self.prompt[tid] + self.gen[tid])
 
+    def stop(self, tid: int) -> int:
+        """Generated tokens at which its current turn ends (its target when single-turn)."""
+        target = int(self.target[tid])
+        if self.turns[tid] <= 1:
+            return target
+        gen = int(self.gen[tid])
+        return next(e for e in turn_ends(target, int(self.turns[tid])) if e > gen)
+
 
 class Instance:
     """One rollout engine (a TP group of GPUs)."""
 
     def __init__(self, rid: int, decode: DecodeCosts, trajs: Trajectories, *, kv_capacity: int,
-                 max_num_seqs: int, version: int = 0):
+                 max_num_seqs: int, version: int = 0, hold_kv: bool = True):
         self.rid, self.trajs = rid, trajs
+        self.decode = decode
         self.cost = decode.cost
         self.prefill_s, self.request_s = decode.prefill_s_per_token, decode.per_request_s
         self.cap, self.max_num_seqs, self.version = float(kv_capacity), max_num_seqs, version
@@ -99,6 +120,10 @@ class Instance:
         self.prefill_tokens = self.preemptions = self.cache_hit_tokens = 0
         self.alloc = 0                           # KV tokens ever allocated here (LRU clock)
         self._cached: dict[int, tuple[int, int, float]] = {}   # tid -> (tokens, alloc, free)
+        self.hold_kv = hold_kv                   # tool calls keep their KV blocks
+        self.held: dict[int, int] = {}           # tid -> KV tokens it holds while not running
+        self.held_kv = 0.0
+        self.tool_calls: list[int] = []          # turns ended since the caller last drained it
 
     # --- time -----------------------------------------------------------------------------
 
@@ -121,6 +146,13 @@ class Instance:
         self._step_end = self.t + costs.step_s(self.cost, self.kv, self.n) if self.t <= now \
             else self.t
 
+    def set_slowdown(self, f: float) -> None:
+        """Every decode step and prefill takes f times its cost from here on (cores shared
+        with other roles). Call after `advance`; the caller reschedules the next event."""
+        c, d = self.decode.cost, self.decode
+        self.cost = dataclasses.replace(c, k1=c.k1 * f, k2=c.k2 * f, k3=c.k3 * f, k4=c.k4 * f)
+        self.prefill_s, self.request_s = d.prefill_s_per_token * f, d.per_request_s * f
+
     def _take(self, m: int) -> None:
         dt = costs.decode_steps_s(self.cost, self.kv, self.n, m)
         self.t += dt
@@ -138,7 +170,7 @@ class Instance:
         while fin and not self._valid(*fin[0]):
             heapq.heappop(fin)
         m_fin = fin[0][0] - self.step
-        m_kv = int((self.cap - self.kv) // self.n)   # steps that fit before it overflows
+        m_kv = int((self.cap - self.held_kv - self.kv) // self.n)   # steps before it overflows
         m = max(min(m_fin, m_kv), 0)
         self.pending_step = self.step + m
         return self.t + costs.decode_steps_s(self.cost, self.kv, self.n, m), self.step + m
@@ -153,10 +185,13 @@ class Instance:
             s, tid = heapq.heappop(fin)
             if self._valid(s, tid):
                 self._leave(tid)
+                if trajs.gen[tid] < trajs.target[tid]:   # a turn ended: its tool call
+                    self._call_tool(tid)
+                    continue
                 trajs.state[tid], trajs.inst[tid] = GONE, -1
                 self.complete += 1
                 done.append(tid)
-        while self.n > 0 and self.kv + self.n > self.cap:
+        while self.n > 0 and self.kv + self.n > self.cap - self.held_kv:
             victim = next(reversed(self.running))
             self._leave(victim)
             trajs.state[victim] = QUEUED
@@ -183,16 +218,38 @@ class Instance:
         if tr.state[tid] == RUNNING and tr.gen[tid] < tr.target[tid]:
             self._cached[tid] = (tr.context(tid), self.alloc, self.cap - self.kv)
 
+    def _call_tool(self, tid: int) -> None:
+        self.trajs.state[tid] = TOOL
+        if self.hold_kv:
+            self._cached.pop(tid, None)
+            self.held[tid] = self.trajs.context(tid)
+            self.held_kv += self.held[tid]
+        self.tool_calls.append(tid)
+
+    def _release(self, tid: int) -> None:
+        self.held_kv -= self.held.pop(tid, 0)
+
     def enqueue(self, tid: int) -> None:
         self.trajs.inst[tid], self.trajs.state[tid] = self.rid, QUEUED
         self.queue.append(tid)
 
+    def await_tool(self, tid: int) -> None:
+        """Placed here while its tool call is still out: it queues when the call returns."""
+        self.trajs.inst[tid], self.trajs.state[tid] = self.rid, TOOL
+
+    def tool_returned(self, tid: int) -> None:
+        """Its call returned (the observation already in its context): it resumes first."""
+        self.trajs.state[tid] = QUEUED
+        self.queue.appendleft(tid)
+
     def remove(self, tid: int) -> None:
         """Interrupt / migrate / abort: the trajectory leaves, its tokens kept."""
-        if self.trajs.state[tid] == RUNNING:
+        state = self.trajs.state[tid]
+        if state == RUNNING:
             self._leave(tid)
-        else:
+        elif state == QUEUED:
             self.queue.remove(tid)
+        self._release(tid)
         self.trajs.inst[tid], self.trajs.state[tid] = -1, IN_TS
 
     def admit(self, now: float) -> int:
@@ -209,19 +266,21 @@ class Instance:
         while self.queue and self.n < self.max_num_seqs:
             tid = self.queue[0]
             ctx = tr.context(tid)
+            held = self.held.get(tid, 0)
             # Room for its context and for one more step of the whole batch, so an
             # admission never preempts at once.
-            if self.kv + ctx + self.n + 1 > self.cap:
+            if self.kv + ctx + self.n + 1 > self.cap - (self.held_kv - held):
                 break
             self.queue.popleft()
             tr.state[tid], tr.join_step[tid] = RUNNING, self.step + late
-            fin = self.step + late + int(tr.target[tid] - tr.gen[tid])
+            fin = self.step + late + tr.stop(tid) - int(tr.gen[tid])
             tr.fin_step[tid] = fin
             heapq.heappush(self._fin, (fin, tid))
             self.running[tid] = fin
             self.n += 1
             self.kv += ctx - late
-            hit = 0
+            hit = held
+            self._release(tid)
             if tid in self._cached:
                 tokens, alloc, free = self._cached.pop(tid)
                 hit = min(tokens, ctx) if self.alloc - alloc <= free else 0
@@ -242,6 +301,8 @@ class Instance:
             self.queue.appendleft(tid)
         self.pulling = True
         self._cached.clear()
+        self.held.clear()   # blocks of the old weights: a held call re-prefills
+        self.held_kv = 0.0
 
     def end_pull(self, now: float, version: int) -> None:
         self.pulling, self.version, self.t = False, version, now

@@ -38,6 +38,20 @@ class WorkloadSpec:
     """Share of the log-length variance common to a group's members (0: independent)."""
     len_growth: float = 0.0
     """The median grows linearly by this fraction over the run's groups (1.0: doubles)."""
+    turns: int = 1
+    """Decode turns per trajectory (1: single-turn). Between two turns the trajectory
+    makes a tool call: it stops decoding for the call's latency, then its engine resumes
+    it, prefilling the tool's observation. Its response tokens are split evenly over the
+    turns (`turn_ends`)."""
+    tool_latency_s: float = 0.0
+    """Median latency of one tool call."""
+    tool_latency_sigma: float = 0.0
+    """σ of the log-latency (0: every call takes tool_latency_s)."""
+    tool_tokens: int = 0
+    """Observation tokens a tool call appends to the context (prefilled, not generated)."""
+    tool_holds_kv: bool = True
+    """During a call the trajectory keeps its KV blocks (resumed with only the observation
+    to prefill), or releases them (the prefix cache may still hold them when it resumes)."""
 
     def __post_init__(self):
         for name in ("groups_per_step", "group_size", "prompt_len", "len_median", "len_max"):
@@ -48,6 +62,9 @@ class WorkloadSpec:
         check(0 <= self.group_corr <= 1, "WorkloadSpec", "group_corr", self.group_corr,
               "must be in [0, 1]")
         check(self.len_growth >= 0, "WorkloadSpec", "len_growth", self.len_growth, "must be >= 0")
+        check(self.turns >= 1, "WorkloadSpec", "turns", self.turns, "must be >= 1")
+        for name in ("tool_latency_s", "tool_latency_sigma", "tool_tokens"):
+            check(getattr(self, name) >= 0, "WorkloadSpec", name, getattr(self, name), "must be >= 0")
 
 
 def group_lengths(spec: WorkloadSpec, seed: int, gid: int, progress: float) -> np.ndarray:
@@ -70,3 +87,19 @@ def group_lengths(spec: WorkloadSpec, seed: int, gid: int, progress: float) -> n
     mixed = np.sqrt(rho) * z[0] + np.sqrt(1.0 - rho) * z[1:]
     lengths = np.rint(median * np.exp(spec.len_sigma * mixed))
     return np.clip(lengths, 1, spec.len_max).astype(np.int64)
+
+
+def turn_ends(target: int, turns: int) -> list[int]:
+    """Generated-token counts at which a response of `target` tokens ends each of its
+    turns (the last is `target`): the turns split it as evenly as whole tokens allow,
+    and a turn has at least one token (fewer turns when the response is shorter)."""
+    return sorted({-(-k * target // turns) for k in range(1, turns + 1)} - {0})
+
+
+def tool_latency(spec: WorkloadSpec, seed: int, tid: int, call: int) -> float:
+    """Latency of trajectory `tid`'s call number `call`, lognormal around the median,
+    drawn from (seed, tid, call) so every preset sees the same calls."""
+    if spec.tool_latency_sigma == 0:
+        return spec.tool_latency_s
+    z = np.random.default_rng([seed, tid, call, 7]).standard_normal()
+    return float(spec.tool_latency_s * np.exp(spec.tool_latency_sigma * z))
