@@ -70,7 +70,7 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
         raise ValueError(f"invalid config gpus={cfg.gpus}: {train_gpus} trainer GPUs and "
                          f"{rollout_gpus} rollout GPUs make no rollout of tp={c.rollout_tp}")
     if c.decode == "roofline":
-        decode = costs.roofline_decode(model, gpu, c.rollout_tp, roof)
+        decode = costs.roofline_decode(model, gpu, c.rollout_tp, roof, tp_comm=c.tp_comm)
     elif c.decode in table.get("decode", {}):
         # A fitted engine's coefficients; its prefill from the roofline.
         decode = dataclasses.replace(costs.roofline_decode(model, gpu, c.rollout_tp, roof),
@@ -107,6 +107,12 @@ def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan
     run = apply_preset(cfg.preset)
     coord = dataclasses.replace(run.coord, cost=decode.cost,
                                 **({"eta": cfg.eta} if cfg.eta >= 0 else {}))
+    if "repack" in cfg.enable:
+        coord = dataclasses.replace(coord, use_repack=True)
+    if "balance" in cfg.enable:
+        coord = dataclasses.replace(coord, use_balance=True)
+    if "migration" in cfg.enable:
+        coord = dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, migrate=True))
     if "repack" in cfg.ablate:
         coord = dataclasses.replace(coord, use_repack=False)
     if "balance" in cfg.ablate:

@@ -25,6 +25,9 @@ class ClusterSpec:
     """Trainer GPUs when disaggregated (0: half of them)."""
     rollout_tp: int = 4
     """GPUs per rollout instance."""
+    tp_comm: bool = False
+    """Add tensor-parallel all-reduces to the roofline decode step (two a layer over
+    NVLink, fnrl.sim.costs.tp_allreduce_s); off, TP scales perfectly."""
     gpus_per_machine: int = 8
     """One relay per rollout machine (Laminar)."""
     decode: str = "roofline"
@@ -69,6 +72,9 @@ class SimConfig:
     """>= 0: override the preset's staleness bound η."""
     ablate: tuple[str, ...] = ()
     """Mechanisms of the preset switched off: "repack", "balance", "migration"."""
+    enable: tuple[str, ...] = ()
+    """Mechanisms switched on over the preset (the same names), e.g. OrchestrRL's
+    coordinator is `one_step` with "balance"."""
     cycle_s: float = 1.0
     """Least virtual time between two decision cycles; a cycle runs when something landed
     (a trajectory finished, a pull, a step) or commands were issued. The loop's own tick
@@ -92,4 +98,7 @@ class SimConfig:
         check(self.cycle_s >= 0, "SimConfig", "cycle_s", self.cycle_s, "must be >= 0")
         for name in self.ablate:
             check(name in ABLATIONS, "SimConfig", "ablate", self.ablate, f"must be among {ABLATIONS}")
+        for name in self.enable:
+            check(name in ABLATIONS and name not in self.ablate, "SimConfig", "enable",
+                  self.enable, f"must be among {ABLATIONS} and not ablated")
         check(self.timeline_dt_s > 0, "SimConfig", "timeline_dt_s", self.timeline_dt_s, "must be > 0")

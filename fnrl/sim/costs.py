@@ -34,6 +34,8 @@ class GpuSpec:
     hbm_bw: float
     pcie_bw: float
     nic_bw: float
+    nvlink_bw: float = 0.0
+    """One GPU's NVLink bandwidth each way, bytes/s (0: unknown; needed for `tp_comm`)."""
 
     def __post_init__(self):
         positive(self, "peak_flops", "hbm_bytes", "hbm_bw", "pcie_bw", "nic_bw")
@@ -65,9 +67,12 @@ class RooflineParams:
     step_overhead_s: float = 4e-3
     prefill_mfu: float = 0.5
     kv_memory_fraction: float = 0.9
+    allreduce_latency_s: float = 10e-6
+    allreduce_efficiency: float = 0.8
 
     def __post_init__(self):
-        positive(self, "hbm_efficiency", "decode_mfu", "prefill_mfu", "kv_memory_fraction")
+        positive(self, "hbm_efficiency", "decode_mfu", "prefill_mfu", "kv_memory_fraction",
+                 "allreduce_efficiency")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,15 +174,35 @@ def steps_within(cost: CostModel, kv0: float, n: int, dt: float) -> int:
     return m
 
 
-def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams) -> DecodeCosts:
+def tp_allreduce_s(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams) -> tuple[float, float]:
+    """(per step, per sequence) seconds of a decode step's tensor-parallel all-reduces:
+    two a layer (after attention and after the MLP), each of one hidden vector per
+    sequence, ring-reduced over NVLink: latency + 2(tp − 1)/tp · bytes / bandwidth.
+    The hidden size is taken as attn_dim (exact for the dense Qwen2.5 models)."""
+    if tp <= 1:
+        return 0.0, 0.0
+    check(gpu.nvlink_bw > 0, "GpuSpec", "nvlink_bw", gpu.nvlink_bw,
+          "must be > 0 to model tensor-parallel all-reduces (cluster.tp_comm)")
+    calls = 2 * model.layers
+    per_seq = (2.0 * (tp - 1) / tp * model.attn_dim * model.dtype_bytes
+               / (gpu.nvlink_bw * p.allreduce_efficiency))
+    return calls * p.allreduce_latency_s, calls * per_seq
+
+
+def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams, *,
+                    tp_comm: bool = False) -> DecodeCosts:
     """Eq. 11's coefficients from first principles for one instance of `tp` GPUs:
     k1 reads one KV token, k2 reads every weight once (an MoE at a large batch touches
     all experts), k3 is one sequence's matmul FLOPs past the roofline, k4 the fixed
-    per-step overhead; prefill is compute-bound at prefill_mfu."""
+    per-step overhead; prefill is compute-bound at prefill_mfu. With `tp_comm`, the
+    all-reduces (`tp_allreduce_s`) add their latency to k4 and their bytes to k3: Eq. 11
+    has no additive per-sequence term, so below the roofline batch k2/k3 the bytes
+    hide under the weight reads (a gap of at most the bytes' time at that batch)."""
     bw = tp * gpu.hbm_bw * p.hbm_efficiency
+    fixed, per_seq = tp_allreduce_s(model, gpu, tp, p) if tp_comm else (0.0, 0.0)
     cost = CostModel(k1=model.kv_bytes_per_token / bw, k2=model.weight_bytes / bw,
-                     k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu),
-                     k4=p.step_overhead_s, k5=1.0)
+                     k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu) + per_seq,
+                     k4=p.step_overhead_s + fixed, k5=1.0)
     prefill = 2 * model.active_params / (tp * gpu.peak_flops * p.prefill_mfu)
     return DecodeCosts(cost=cost, prefill_s_per_token=prefill)
 
