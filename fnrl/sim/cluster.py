@@ -71,9 +71,9 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                          f"{rollout_gpus} rollout GPUs make no rollout of tp={c.rollout_tp}")
     # The rollouts' copy: quantized (LlamaRL's fp8 generator) when rollout_dtype_bytes says so.
     served = dataclasses.replace(model, dtype_bytes=c.rollout_dtype_bytes or model.dtype_bytes)
-    comm = (costs.tp_allreduce_s(model, c.rollout_tp, c.gpus_per_machine,
-                                 costs.TpCommParams(**table.get("tp_comm", {})))
-            if c.tp_comm else 0.0)
+    comm = (costs.tp_allreduce_s(model, gpu, c.rollout_tp, c.gpus_per_machine,
+                                 costs.tp_comm_params(table))
+            if c.tp_comm else (0.0, 0.0))
     if c.decode == "roofline":
         decode = costs.roofline_decode(served, gpu, c.rollout_tp, roof, comm)
     elif c.decode in table.get("decode", {}):
@@ -106,18 +106,23 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                   train=costs.TrainParams(**{**table.get("train", {}), "mfu": c.train_mfu}))
 
 
+def _switch(coord, name: str, on: bool):
+    """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off."""
+    if name == "repack":
+        return dataclasses.replace(coord, use_repack=on)
+    if name == "balance":
+        return dataclasses.replace(coord, use_balance=on)
+    return dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, migrate=on))
+
+
 def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:
     """The preset's coordinator, with the engine's cost model (as the real job loads the
     profiled one into `coord.cost`)."""
     run = apply_preset(cfg.preset)
     coord = dataclasses.replace(run.coord, cost=decode.cost,
                                 **({"eta": cfg.eta} if cfg.eta >= 0 else {}))
-    if "repack" in cfg.ablate:
-        coord = dataclasses.replace(coord, use_repack=False)
-    if "balance" in cfg.ablate:
-        coord = dataclasses.replace(coord, use_balance=False)
-    if "migration" in cfg.ablate:
-        coord = dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, migrate=False))
+    for name, on in [*((n, True) for n in cfg.enable), *((n, False) for n in cfg.ablate)]:
+        coord = _switch(coord, name, on)
     if cfg.cluster.placement == "colocated" and coord.eta != 0:
         raise ValueError(f"invalid config cluster.placement='colocated' with η={coord.eta}: "
                          "colocated roles take turns, which only η = 0 guarantees")

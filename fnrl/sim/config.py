@@ -46,8 +46,9 @@ class ClusterSpec:
     """Bytes per weight on the rollouts (0: the model's; 1: fp8, as LlamaRL's generator,
     §4.3): their decode reads, KV room and weight loads."""
     tp_comm: bool = False
-    """Charge every decode step its tensor-parallel all-reduces (two per layer, costs.toml
-    [tp_comm]): cheap within one machine, dear across machines (LlamaRL §4.3: mp > 8)."""
+    """Charge every roofline decode step its tensor-parallel all-reduces (two a layer,
+    fnrl.sim.costs.tp_allreduce_s, costs.toml [tp_comm]): over NVLink within one
+    machine, dearer across machines (LlamaRL §4.3: mp > 8); off, TP scales perfectly."""
     shared_cores: int = 0
     """> 0: every role runs on one host of this many CPU cores (a CPU-only replay of
     this machine: 2). Each busy role (the trainer in a step, a rollout with a running
@@ -82,6 +83,9 @@ class SimConfig:
     """>= 0: override the preset's staleness bound η."""
     ablate: tuple[str, ...] = ()
     """Mechanisms of the preset switched off: "repack", "balance", "migration"."""
+    enable: tuple[str, ...] = ()
+    """Mechanisms switched on over the preset (the same names), e.g. OrchestrRL's
+    coordinator is `one_step` with "balance"."""
     cycle_s: float = 1.0
     """Least virtual time between two decision cycles; a cycle runs when something landed
     (a trajectory finished, a pull, a step) or commands were issued. The loop's own tick
@@ -105,4 +109,7 @@ class SimConfig:
         check(self.cycle_s >= 0, "SimConfig", "cycle_s", self.cycle_s, "must be >= 0")
         for name in self.ablate:
             check(name in ABLATIONS, "SimConfig", "ablate", self.ablate, f"must be among {ABLATIONS}")
+        for name in self.enable:
+            check(name in ABLATIONS and name not in self.ablate, "SimConfig", "enable",
+                  self.enable, f"must be among {ABLATIONS} and not ablated")
         check(self.timeline_dt_s > 0, "SimConfig", "timeline_dt_s", self.timeline_dt_s, "must be > 0")

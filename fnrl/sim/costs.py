@@ -34,6 +34,8 @@ class GpuSpec:
     hbm_bw: float
     pcie_bw: float
     nic_bw: float
+    nvlink_bw: float = 0.0
+    """One GPU's NVLink bandwidth each way, bytes/s (0: unknown; needed for `tp_comm`)."""
 
     def __post_init__(self):
         positive(self, "peak_flops", "hbm_bytes", "hbm_bw", "pcie_bw", "nic_bw")
@@ -98,9 +100,10 @@ class TrainParams:
 class TpCommParams:
     allreduce_intra_s: float = 10e-6
     allreduce_inter_s: float = 50e-6
+    allreduce_efficiency: float = 0.8
 
     def __post_init__(self):
-        positive(self, "allreduce_intra_s", "allreduce_inter_s")
+        positive(self, "allreduce_intra_s", "allreduce_inter_s", "allreduce_efficiency")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,27 +181,45 @@ def steps_within(cost: CostModel, kv0: float, n: int, dt: float) -> int:
     return m
 
 
-def tp_allreduce_s(model: ModelSpec, tp: int, gpus_per_machine: int, p: TpCommParams) -> float:
-    """A decode step's tensor-parallel communication: Megatron-style TP all-reduces twice a
-    layer (after attention and after the MLP); an instance wider than a machine crosses
-    the network on every one."""
+def tp_allreduce_s(model: ModelSpec, gpu: GpuSpec, tp: int, gpus_per_machine: int,
+                   p: TpCommParams) -> tuple[float, float]:
+    """(per step, per sequence) seconds of a decode step's tensor-parallel all-reduces:
+    Megatron-style, two a layer (after attention and after the MLP), each of one hidden
+    vector per sequence, ring-reduced: latency + 2(tp − 1)/tp · bytes / bandwidth. Within
+    a machine over NVLink; an instance wider than a machine crosses the network on every
+    one (LlamaRL §4.3: mp > 8), at the NIC's bandwidth and a larger latency. The hidden
+    size is taken as attn_dim (exact for the dense Qwen2.5 and Llama 3.1 models)."""
     if tp <= 1:
-        return 0.0
-    each = p.allreduce_intra_s if tp <= gpus_per_machine else p.allreduce_inter_s
-    return 2 * model.layers * each
+        return 0.0, 0.0
+    inside = tp <= gpus_per_machine
+    bw = gpu.nvlink_bw if inside else gpu.nic_bw
+    check(bw > 0, "GpuSpec", "nvlink_bw" if inside else "nic_bw", bw,
+          "must be > 0 to model tensor-parallel all-reduces (cluster.tp_comm)")
+    calls = 2 * model.layers
+    per_seq = 2.0 * (tp - 1) / tp * model.attn_dim * model.dtype_bytes / (bw * p.allreduce_efficiency)
+    latency = p.allreduce_intra_s if inside else p.allreduce_inter_s
+    return calls * latency, calls * per_seq
+
+
+def tp_comm_params(table: dict | None = None) -> TpCommParams:
+    table = load_table() if table is None else table
+    return TpCommParams(**table.get("tp_comm", {}))
 
 
 def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams,
-                    comm_s: float = 0.0) -> DecodeCosts:
+                    comm: tuple[float, float] = (0.0, 0.0)) -> DecodeCosts:
     """Eq. 11's coefficients from first principles for one instance of `tp` GPUs:
     k1 reads one KV token, k2 reads every weight once (an MoE at a large batch touches
     all experts), k3 is one sequence's matmul FLOPs past the roofline, k4 the fixed
-    per-step overhead plus `comm_s` (`tp_allreduce_s`); prefill is compute-bound at
-    prefill_mfu."""
+    per-step overhead; prefill is compute-bound at prefill_mfu. `comm` is
+    `tp_allreduce_s`'s (per step, per sequence): the latency adds to k4 and the bytes to
+    k3 (Eq. 11 has no additive per-sequence term, so below the roofline batch k2/k3 the
+    bytes hide under the weight reads: a gap of at most the bytes' time at that batch)."""
     bw = tp * gpu.hbm_bw * p.hbm_efficiency
+    fixed, per_seq = comm
     cost = CostModel(k1=model.kv_bytes_per_token / bw, k2=model.weight_bytes / bw,
-                     k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu),
-                     k4=p.step_overhead_s + comm_s, k5=1.0)
+                     k3=2 * model.active_params / (tp * gpu.peak_flops * p.decode_mfu) + per_seq,
+                     k4=p.step_overhead_s + fixed, k5=1.0)
     prefill = 2 * model.active_params / (tp * gpu.peak_flops * p.prefill_mfu)
     return DecodeCosts(cost=cost, prefill_s_per_token=prefill)
 

@@ -45,12 +45,18 @@ def test_the_simulated_baseline_gets_the_kv_room_the_trainer_leaves():
 
 
 def test_tp_communication_and_an_fp8_generator_in_the_cost_model():
-    comm = costs.TpCommParams()
+    comm, h100 = costs.TpCommParams(), costs.gpu_spec("h100")
     l405 = costs.model_spec("llama3.1-405b")
-    # Two all-reduces a layer: 252 × 10 µs within a machine, 252 × 50 µs across.
-    assert costs.tp_allreduce_s(l405, 1, 8, comm) == 0.0
-    assert costs.tp_allreduce_s(l405, 8, 8, comm) == pytest.approx(2.52e-3)
-    assert costs.tp_allreduce_s(l405, 64, 8, comm) == pytest.approx(12.6e-3)
+    # Two all-reduces a layer: 252 × 10 µs within a machine, 252 × 50 µs across; each
+    # sequence's hidden vector (16,384 × 2 B) ring-reduced over NVLink (450 GB/s) or the
+    # NIC (50 GB/s), at 80%.
+    assert costs.tp_allreduce_s(l405, h100, 1, 8, comm) == (0.0, 0.0)
+    fixed, per_seq = costs.tp_allreduce_s(l405, h100, 8, 8, comm)
+    assert fixed == pytest.approx(2.52e-3)
+    assert per_seq == pytest.approx(252 * 2 * 7 / 8 * 16384 * 2 / (450e9 * 0.8))
+    fixed, per_seq = costs.tp_allreduce_s(l405, h100, 64, 8, comm)
+    assert fixed == pytest.approx(12.6e-3)
+    assert per_seq == pytest.approx(252 * 2 * 63 / 64 * 16384 * 2 / (50e9 * 0.8))
     base = SimConfig(preset="one_step", gpus=64, steps=1,
                      cluster=ClusterSpec(model="llama3.1-70b", rollout_tp=8, weight_sync="nccl"))
     plain = layout(base)

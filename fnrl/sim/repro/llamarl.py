@@ -123,7 +123,7 @@ def per_sample_times(size: Size, generator_dtype_bytes: int, w: WorkloadSpec = W
     table = table or costs.load_table()
     gpu, model = costs.gpu_spec("h100", table), costs.model_spec(size.model, table)
     roof = costs.RooflineParams(**table.get("roofline", {}))
-    comm = costs.TpCommParams(**table.get("tp_comm", {}))
+    comm = costs.tp_comm_params(table)
     train = costs.TrainParams(**table.get("train", {}))
     served = dataclasses.replace(model, dtype_bytes=generator_dtype_bytes)
     machine = ClusterSpec().gpus_per_machine
@@ -139,7 +139,7 @@ def per_sample_times(size: Size, generator_dtype_bytes: int, w: WorkloadSpec = W
         # batch's longest response: all b decode together for the mean length, then the
         # longest goes on alone to the expected maximum of b draws.
         engine = costs.roofline_decode(served, gpu, m, roof,
-                                       costs.tp_allreduce_s(model, m, machine, comm))
+                                       costs.tp_allreduce_s(model, gpu, m, machine, comm))
         mean, longest = round(response), round(expected_longest(w, b))
         wave = (b * w.prompt_len * engine.prefill_s_per_token
                 + costs.decode_steps_s(engine.cost, b * w.prompt_len, b, mean)
