@@ -113,6 +113,12 @@ def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan
         coord = dataclasses.replace(coord, use_balance=False)
     if "migration" in cfg.ablate:
         coord = dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, migrate=False))
+    if "lazy_sync" in cfg.ablate and coord.routing.sync == "lazy":
+        coord = dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, sync="greedy"))
+    if "sampler" in cfg.ablate:
+        coord = dataclasses.replace(coord, sampler="protocol")
+    if "eta" in cfg.ablate:   # the one-step bound: the least that keeps generation overlapped
+        coord = dataclasses.replace(coord, eta=min(coord.eta, apply_preset("one_step").coord.eta))
     if cfg.cluster.placement == "colocated" and coord.eta != 0:
         raise ValueError(f"invalid config cluster.placement='colocated' with η={coord.eta}: "
                          "colocated roles take turns, which only η = 0 guarantees")

@@ -9,7 +9,11 @@ from fnrl.sim.workload import WorkloadSpec
 
 PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
-ABLATIONS = ("repack", "balance", "migration")
+ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "sampler", "eta")
+"""What `SimConfig.ablate` switches off (fnrl.sim.cluster.plan_for): Laminar's repack,
+OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
+replaced by its §6.5 "vanilla" sync: pull whenever behind), the sampler (the head buffer
+trained as the protocol filled it) and the looser staleness bound (η down to one_step's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +72,7 @@ class SimConfig:
     eta: int = -1
     """>= 0: override the preset's staleness bound η."""
     ablate: tuple[str, ...] = ()
-    """Mechanisms of the preset switched off: "repack", "balance", "migration"."""
+    """Mechanisms of the preset switched off: any of ABLATIONS."""
     cycle_s: float = 1.0
     """Least virtual time between two decision cycles; a cycle runs when something landed
     (a trajectory finished, a pull, a step) or commands were issued. The loop's own tick
