@@ -75,11 +75,11 @@ def ablate(setup_name: str, *, seeds=(0, 1, 2), quick: bool = False, out: Path |
     """Runs the setup's "fnrl" run under every variant and seed; returns the table as data
     ({"setup", "paper", "rows", "summaries"}) and writes it under out/SETUP when given."""
     if setup_name not in SETUPS:
-        raise ValueError(f"fnrl.sim.repro.ablate: no setup {setup_name!r}; known: {sorted(SETUPS)}")
+        raise ValueError(f"no setup {setup_name!r}; known: {sorted(SETUPS)}")
     setup = SETUPS[setup_name](quick)
     base = setup.runs.get("fnrl")
     if not isinstance(base, SimConfig):
-        raise ValueError(f"fnrl.sim.repro.ablate: setup {setup_name!r} has no simulated run "
+        raise ValueError(f"setup {setup_name!r} has no simulated run "
                          f"labelled 'fnrl' (runs: {sorted(setup.runs)})")
     full = coordinator(base)
     summaries: dict[str, dict[int, dict]] = {}
