@@ -22,19 +22,7 @@ import argparse
 import time
 
 from fnrl.sim.cluster import Simulation
-from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.workload import WorkloadSpec
-
-
-def config(preset: str, steps: int, gpus: int, eta: int, cycle_s: float, ablate=(),
-           placement: str = "disaggregated", weight_sync: str = "relay") -> SimConfig:
-    return SimConfig(preset=preset, gpus=gpus, steps=steps, eta=eta, cycle_s=cycle_s, plots=False,
-                     ablate=tuple(ablate),
-                     cluster=ClusterSpec(model="qwen3-30b-a3b", gpu="h100", train_gpus=gpus // 4,
-                                         rollout_tp=4, placement=placement,
-                                         weight_sync=weight_sync),
-                     workload=WorkloadSpec(groups_per_step=128, group_size=16, prompt_len=1024,
-                                           len_median=4096, len_sigma=1.0, len_max=20480))
+from fnrl.sim.repro.scale import config
 
 
 def main() -> None:
@@ -44,7 +32,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=1024)
     ap.add_argument("--eta", type=int, default=3)
     ap.add_argument("--cycle-s", type=float, default=5.0)
-    ap.add_argument("--ablate", nargs="*", default=[], help="repack, balance, migration")
+    ap.add_argument("--ablate", nargs="*", default=[], help="any of fnrl.sim.config.ABLATIONS")
     ap.add_argument("--placement", default="disaggregated", help="or colocated (η = 0 only)")
     ap.add_argument("--weight-sync", default="relay", help="or nccl")
     args = ap.parse_args()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fnrl.config.base import check
 
 SYNC_MODES = ("lazy", "greedy", "on_idle")
-SAMPLER_NAMES = ("fifo", "oldest_version")
+SAMPLER_NAMES = ("fifo", "oldest_version", "protocol")
 """The keys of fnrl.policy.samplers.SAMPLERS (a test keeps the two equal)."""
 
 
@@ -123,7 +123,8 @@ class CoordinatorConfig:
     keeps the values."""
     sampler: str = "fifo"
     """Which rewarded groups a Consume trains when more than a batch are ready:
-    fnrl.policy.samplers.SAMPLERS ("fifo": arrival order; "oldest_version")."""
+    fnrl.policy.samplers.SAMPLERS ("fifo": arrival order; "oldest_version"; "protocol":
+    the head buffer as StaleFlow's protocol filled it, no sampler)."""
     use_repack: bool = False
     repack: RepackConfig = field(default_factory=RepackConfig)
     use_balance: bool = False

@@ -4,7 +4,8 @@ A sampler ranks items with an arrival order `seq` and a policy `version` and ret
 the positions of the n to train on, in batch order. The cycle ranks every occupied
 staleness entry with it (staleness.choose_batch). "fifo": arrival order (Laminar's
 default in its experiments); "oldest_version": stalest first, so fewer groups age past
-a staleness bound.
+a staleness bound; "protocol": the items as listed, which in staleness.choose_batch is
+the head buffer as StaleFlow's protocol filled it (§4.2), i.e. no sampler at all.
 """
 
 from __future__ import annotations
@@ -37,4 +38,9 @@ def _oldest_version(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
     return tuple(order[:n])
 
 
-SAMPLERS: dict[str, Sampler] = {"fifo": _fifo, "oldest_version": _oldest_version}
+def _protocol(items: tuple[Ranked, ...], n: int) -> tuple[int, ...]:
+    return tuple(range(min(n, len(items))))
+
+
+SAMPLERS: dict[str, Sampler] = {"fifo": _fifo, "oldest_version": _oldest_version,
+                                "protocol": _protocol}

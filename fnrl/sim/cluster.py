@@ -107,12 +107,26 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
 
 
 def _switch(coord, name: str, on: bool):
-    """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off."""
+    """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off.
+    Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), the sampler the
+    protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
+    overlapped with training). `enable` takes only the first four (config.ENABLES)."""
+    routing = coord.routing
     if name == "repack":
         return dataclasses.replace(coord, use_repack=on)
     if name == "balance":
         return dataclasses.replace(coord, use_balance=on)
-    return dataclasses.replace(coord, routing=dataclasses.replace(coord.routing, migrate=on))
+    if name == "migration":
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, migrate=on))
+    if name == "lazy_sync":
+        sync = "lazy" if on else ("greedy" if routing.sync == "lazy" else routing.sync)
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
+    if name == "sampler":
+        return coord if on else dataclasses.replace(coord, sampler="protocol")
+    if name == "eta":
+        return coord if on else dataclasses.replace(
+            coord, eta=min(coord.eta, apply_preset("one_step").coord.eta))
+    raise ValueError(f"unknown mechanism {name!r}")
 
 
 def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:

@@ -9,7 +9,12 @@ from fnrl.sim.workload import WorkloadSpec
 
 PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
-ABLATIONS = ("repack", "balance", "migration")
+ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "sampler", "eta")
+ENABLES = ("repack", "balance", "migration", "lazy_sync")
+"""What `SimConfig.ablate` switches off (fnrl.sim.cluster.plan_for): Laminar's repack,
+OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
+replaced by its §6.5 "vanilla" sync: pull whenever behind), the sampler (the head buffer
+trained as the protocol filled it) and the looser staleness bound (η down to one_step's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +87,9 @@ class SimConfig:
     eta: int = -1
     """>= 0: override the preset's staleness bound η."""
     ablate: tuple[str, ...] = ()
-    """Mechanisms of the preset switched off: "repack", "balance", "migration"."""
+    """Mechanisms of the preset switched off: any of ABLATIONS."""
     enable: tuple[str, ...] = ()
-    """Mechanisms switched on over the preset (the same names), e.g. OrchestrRL's
+    """Mechanisms switched on over the preset (any of ENABLES), e.g. OrchestrRL's
     coordinator is `one_step` with "balance"."""
     cycle_s: float = 1.0
     """Least virtual time between two decision cycles; a cycle runs when something landed
@@ -110,6 +115,6 @@ class SimConfig:
         for name in self.ablate:
             check(name in ABLATIONS, "SimConfig", "ablate", self.ablate, f"must be among {ABLATIONS}")
         for name in self.enable:
-            check(name in ABLATIONS and name not in self.ablate, "SimConfig", "enable",
-                  self.enable, f"must be among {ABLATIONS} and not ablated")
+            check(name in ENABLES and name not in self.ablate, "SimConfig", "enable",
+                  self.enable, f"must be among {ENABLES} and not ablated")
         check(self.timeline_dt_s > 0, "SimConfig", "timeline_dt_s", self.timeline_dt_s, "must be > 0")

@@ -51,7 +51,8 @@ class Setup:
     paper: str                       # "Laminar (seed 000)"
     setup: str                       # the paper's stated setup, one paragraph
     runs: dict[str, Run]
-    claims: tuple[Claim, ...]
+    claims: tuple[Claim, ...] = ()
+    """Empty for a setup no paper states (its runs serve fnrl.sim.repro.ablate)."""
     assumptions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 

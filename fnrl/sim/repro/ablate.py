@@ -1,0 +1,187 @@
+"""The `fnrl` preset's mechanisms switched off one at a time on a seed's setup (issue 13).
+
+    python -m fnrl.sim.repro.ablate SETUP|all [--seeds 0 1 2] [--quick] [--out runs/repro]
+
+Takes the run labelled "fnrl" of a registered setup (fnrl.sim.repro.SETUPS), runs it
+once per simulation seed as it is, with each of fnrl.sim.config.ABLATIONS switched off
+in turn (through `SimConfig.ablate`, which changes the real coordinator config in
+fnrl.sim.cluster.plan_for), and with all of them off. Writes out/SETUP/ablation.{md,json,png}:
+per variant, the seeds' metric (trained prompt + response tokens per second) as the median
+and spread over seeds, its change against full fnrl (the median of the per-seed ratios),
+and the counts that say why (interrupts, migrations, repacks, preemptions, staleness).
+
+A variant whose coordinator config equals full fnrl's (say, balancing off on a setup
+whose fnrl run has no balancer) is not run again: its row repeats fnrl's, marked "same
+config". Importing this module registers no setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from fnrl.sim.cluster import Simulation, layout, plan_for
+from fnrl.sim.config import ABLATIONS, SimConfig
+from fnrl.sim.repro import SETUPS
+
+METRIC = "trained_seq_tokens_per_s"
+COUNTS = ("interrupted", "migrated", "repacks", "preemptions", "pulls")
+
+OFF = {
+    "repack": "Laminar's repack of long tails",
+    "balance": "OrchestrRL's balancer",
+    "migration": "StaleFlow's migration (Alg. 5)",
+    "lazy_sync": "lazy sync (Alg. 4) → pull whenever behind (§6.5's vanilla sync)",
+    "sampler": "the sampler → the head buffer as the protocol filled it",
+    "eta": "η → 1 (one_step's bound)",
+}
+"""What each ablation switches off, for the table."""
+
+
+def variants() -> list[tuple[str, tuple[str, ...]]]:
+    """(label, ablations): full fnrl, each mechanism off alone, and all of them off."""
+    return [("fnrl", ())] + [(name, (name,)) for name in ABLATIONS] + [("all", ABLATIONS)]
+
+
+def label_of(variant: str) -> str:
+    return "fnrl" if variant == "fnrl" else f"fnrl without {variant}"
+
+
+def coordinator(cfg: SimConfig):
+    """The CycleConfig the simulation of `cfg` runs (its cost model included)."""
+    return plan_for(cfg, layout(cfg).decode).cycle
+
+
+def run_once(cfg: SimConfig) -> dict:
+    """One simulation's summary, with the trained tokens' mean staleness (in versions)."""
+    sim = Simulation(cfg)
+    s = sim.run()
+    hist = np.zeros(0)
+    for rec in sim.step_records:
+        h = np.asarray(rec["staleness_hist"], float)
+        hist = np.pad(hist, (0, max(len(h) - len(hist), 0)))
+        hist[:len(h)] += h
+    s["staleness_mean"] = float(hist @ np.arange(len(hist)) / max(hist.sum(), 1.0))
+    return s
+
+
+def ablate(setup_name: str, *, seeds=(0, 1, 2), quick: bool = False, out: Path | None = None,
+           log: Callable[[str], None] = print) -> dict:
+    """Runs the setup's "fnrl" run under every variant and seed; returns the table as data
+    ({"setup", "paper", "rows", "summaries"}) and writes it under out/SETUP when given."""
+    if setup_name not in SETUPS:
+        raise ValueError(f"no setup {setup_name!r}; known: {sorted(SETUPS)}")
+    setup = SETUPS[setup_name](quick)
+    base = setup.runs.get("fnrl")
+    if not isinstance(base, SimConfig):
+        raise ValueError(f"setup {setup_name!r} has no simulated run "
+                         f"labelled 'fnrl' (runs: {sorted(setup.runs)})")
+    full = coordinator(base)
+    summaries: dict[str, dict[int, dict]] = {}
+    same: dict[str, bool] = {}
+    for label, names in variants():
+        cfg = dataclasses.replace(base, ablate=tuple(dict.fromkeys(base.ablate + names)))
+        same[label] = bool(names) and coordinator(cfg) == full
+        if same[label]:
+            summaries[label] = summaries["fnrl"]
+            log(f"{setup_name} {label}: same coordinator config as fnrl, not run again")
+            continue
+        summaries[label] = {}
+        for seed in seeds:
+            s = run_once(dataclasses.replace(cfg, seed=seed, plots=False, out=""))
+            summaries[label][seed] = s
+            log(f"{setup_name} seed {seed} {label_of(label)}: {METRIC} {s[METRIC]:.4g}, "
+                f"interrupted {s['interrupted']}, migrated {s['migrated']}")
+    res = {"setup": setup_name, "paper": setup.paper, "seeds": list(seeds),
+           "rows": rows(summaries, same), "summaries": summaries}
+    if out is not None:
+        write(res, Path(out) / setup_name)
+    return res
+
+
+def rows(summaries: dict[str, dict[int, dict]], same: dict[str, bool]) -> list[dict]:
+    full = summaries["fnrl"]
+    out = []
+    for label, runs in summaries.items():
+        seeds = sorted(runs)
+        vals = [runs[k][METRIC] for k in seeds]
+        # Within a seed both runs see the same workload group by group: compare there.
+        deltas = [runs[k][METRIC] / full[k][METRIC] - 1.0 for k in seeds]
+        out.append({"variant": label, "off": OFF.get(label, "everything above" if label == "all" else ""),
+                    "same_config": same[label], "median": statistics.median(vals),
+                    "min": min(vals), "max": max(vals), "per_seed": vals,
+                    "delta": statistics.median(deltas),
+                    **{k: statistics.median(runs[s][k] for s in seeds) for k in COUNTS},
+                    "staleness_mean": statistics.median(runs[s]["staleness_mean"] for s in seeds),
+                    "rollout_idle_frac": statistics.median(runs[s]["rollout_idle_frac"] for s in seeds),
+                    "trainer_idle_frac": statistics.median(runs[s]["trainer_idle_frac"] for s in seeds)})
+    return out
+
+
+def table(res: dict) -> str:
+    n = len(res["seeds"])
+    lines = [f"| fnrl without | tokens/s, median (min–max over {n} seeds) | Δ vs fnrl | "
+             "interrupted | moved (migration + repack) | Migrate commands | preemptions | "
+             "pulls | staleness mean | "
+             "rollouts idle | trainer idle |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        name = "(nothing)" if r["variant"] == "fnrl" else f"{r['variant']}: {r['off']}"
+        if r["same_config"]:
+            name += " (same config)"
+        delta = "—" if r["variant"] == "fnrl" else f"{r['delta']:+.1%}"
+        lines.append(f"| {name} | {r['median']:,.0f} ({r['min']:,.0f}–{r['max']:,.0f}) | {delta} | "
+                     + " | ".join(f"{r[k]:,.0f}" for k in COUNTS)
+                     + f" | {r['staleness_mean']:.2f} | {r['rollout_idle_frac']:.2f} | "
+                     f"{r['trainer_idle_frac']:.2f} |")
+    return "\n".join(lines)
+
+
+def write(res: dict, d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "ablation.json").write_text(json.dumps(
+        {**res, "summaries": {label: {str(k): v for k, v in runs.items()}
+                              for label, runs in res["summaries"].items()}},
+        indent=1, default=float))
+    (d / "ablation.md").write_text(f"## fnrl's mechanisms on {res['setup']} ({res['paper']})\n\n"
+                                   f"{table(res)}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = res["rows"]
+    fig, ax = plt.subplots(figsize=(1.6 + 0.9 * len(rs), 3.5))
+    x = range(len(rs))
+    ax.bar(list(x), [r["median"] for r in rs], 0.6,
+           yerr=[[r["median"] - r["min"] for r in rs], [r["max"] - r["median"] for r in rs]],
+           color=["tab:green"] + ["tab:gray" if r["same_config"] else "tab:blue" for r in rs[1:]])
+    ax.axhline(rs[0]["median"], color="tab:green", lw=0.8, ls="--")
+    ax.set_xticks(list(x), ["fnrl"] + [f"−{r['variant']}" for r in rs[1:]], fontsize=8, rotation=15)
+    ax.set(ylabel="trained tokens/s (prompt + response)", title=f"fnrl ablation: {res['setup']}")
+    fig.tight_layout()
+    fig.savefig(d / "ablation.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from fnrl.sim.repro.__main__ import load_all, setup_parser
+    load_all()
+    args = setup_parser(__doc__, f"one of {sorted(SETUPS)} or 'all' (those with an "
+                                 "'fnrl' run)").parse_args(argv)
+    names = [args.setup] if args.setup != "all" else [
+        n for n in sorted(SETUPS) if isinstance(SETUPS[n](args.quick).runs.get("fnrl"), SimConfig)]
+    for name in names:
+        res = ablate(name, seeds=tuple(args.seeds), quick=args.quick, out=Path(args.out))
+        print(f"\n## fnrl's mechanisms on {name}\n\n{table(res)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from fnrl.sim.repro.__main__ import exit_with
+    exit_with(main, "fnrl.sim.repro.ablate")
