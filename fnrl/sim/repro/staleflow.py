@@ -13,7 +13,10 @@ real coordinator:
                  model (§6.1), η fixed at 1.
   VeRL-Async     `partial_rollout` at the same η as StaleFlow: the in-flight data is
                  bounded by (η + 1) × batch and every new version interrupts, pulls and
-                 resumes (§2.2: strict staleness control, partial rollout only).
+                 resumes (§2.2: strict staleness control, partial rollout only). The
+                 preset keeps fnrl's routing (StaleFlow's waterfall, μ = 0.3), not the
+                 paper's least-count routing, so it differs from StaleFlow only in its
+                 greedy sync and in having no migration.
   StaleFlow      `staleflow` at η (lazy sync, waterfall routing, migration; μ = 0.3,
                  φ_wait = 3, φ_throughput = 5 are RoutingConfig's defaults, §6.1's values).
   fnrl           the `fnrl` preset at η = 3 (§6.5's configuration), for comparison.
