@@ -136,14 +136,17 @@ def over_points(name: str, system: str, pts, paper: float, how: str = "mean") ->
                       metric=METRIC, pairs=pairs, how=how)
 
 
-def points_table(summaries: dict[str, dict], quick: bool = False) -> str:
-    """One seed's per-point throughputs (tokens/s) and ratios over verl, as Markdown."""
+def points_table(by_seed: dict, quick: bool = False) -> str:
+    """Each point's median over seeds (`Result.summaries`: seed -> label -> summary) of
+    the throughputs (tokens/s) and of the ratios over verl, as Markdown."""
     lines = ["| model | GPUs | verl | laminar | fnrl | laminar/verl | fnrl/verl |",
              "|---|---|---|---|---|---|---|"]
     for m, g in points(quick):
-        v, l, f = (summaries[label(s, m, g)][METRIC] for s in SYSTEMS)
-        lines.append(f"| {m.upper()} | {g} | {v:,.0f} | {l:,.0f} | {f:,.0f} | "
-                     f"{l / v:.2f}× | {f / v:.2f}× |")
+        tput = {s: [runs[label(s, m, g)][METRIC] for runs in by_seed.values()] for s in SYSTEMS}
+        v, l, f = (statistics.median(tput[s]) for s in SYSTEMS)
+        lam, fn = (statistics.median(a / b for a, b in zip(tput[s], tput["verl"]))
+                   for s in ("laminar", "fnrl"))
+        lines.append(f"| {m.upper()} | {g} | {v:,.0f} | {l:,.0f} | {f:,.0f} | {lam:.2f}× | {fn:.2f}× |")
     return "\n".join(lines)
 
 
