@@ -129,6 +129,16 @@ def _switch(coord, name: str, on: bool):
     raise ValueError(f"unknown mechanism {name!r}")
 
 
+def steady_throughput(records: list[dict], warmup: int) -> float:
+    """Trained prompt + response tokens per second after `warmup` steps: the tokens of
+    records[warmup:] over the time from the end of step `warmup` (0: the start) to the
+    last step's end."""
+    if not records[warmup:]:
+        return 0.0
+    start = records[warmup - 1]["wall_s"] if warmup > 0 else 0.0
+    return sum(r["seq_tokens"] for r in records[warmup:]) / max(records[-1]["wall_s"] - start, 1e-9)
+
+
 def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:
     """The preset's coordinator, with the engine's cost model (as the real job loads the
     profiled one into `coord.cost`)."""
@@ -562,6 +572,7 @@ class Simulation:
                 "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
                 "trained_seq_tokens": self.seq_tokens,
                 "trained_seq_tokens_per_s": self.seq_tokens / train_wall,
+                "steady_seq_tokens_per_s": steady_throughput(self.step_records, self.cfg.warmup_steps),
                 "version": b.trainer_version, "trained_tokens": b.trained_tokens,
                 "step_s": step_s,
                 "generated_tokens": b.generated_tokens, "staleness_checked_tokens": b.checked_tokens,

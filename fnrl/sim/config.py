@@ -83,6 +83,9 @@ class SimConfig:
     """A preset of fnrl.experiments.presets: the same coordinator the real job runs."""
     gpus: int = 64
     steps: int = 20
+    warmup_steps: int = 0
+    """Steps before `steady_seq_tokens_per_s` starts counting (the seeds' metric: Laminar
+    §8 averages 5 iterations after a 10-iteration warm-up)."""
     seed: int = 0
     eta: int = -1
     """>= 0: override the preset's staleness bound η."""
@@ -111,6 +114,8 @@ class SimConfig:
     def __post_init__(self):
         for name in ("gpus", "steps"):
             check(getattr(self, name) > 0, "SimConfig", name, getattr(self, name), "must be > 0")
+        check(0 <= self.warmup_steps < self.steps, "SimConfig", "warmup_steps", self.warmup_steps,
+              f"must be in [0, steps={self.steps})")
         check(self.cycle_s >= 0, "SimConfig", "cycle_s", self.cycle_s, "must be >= 0")
         for name in self.ablate:
             check(name in ABLATIONS, "SimConfig", "ablate", self.ablate, f"must be among {ABLATIONS}")
