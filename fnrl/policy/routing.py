@@ -8,7 +8,8 @@
 - `route`: the multi-level queue and waterfall selection with threshold μ (Alg. 3),
   admitting initial trajectories through the staleness discriminator (Alg. 2).
 - `plan_sync`: lazy per-instance synchronization (Alg. 4).
-- `plan_migration`: wait-queue overflow (φ_wait) and throughput gap (φ_throughput) (Alg. 5).
+- `plan_migration`: wait-queue overflow (φ_wait) and throughput gap (φ_throughput) (Alg. 5);
+  Case 2 moves only what routing would place on another rollout.
 
 All of it works on a `WorkingView`: a mutable numpy copy of one snapshot that lives for
 one decision cycle and is updated by each strategy in turn, as Alg. 1 updates its local
@@ -441,12 +442,14 @@ def _redistributed(view: WorkingView, r: int, cfg: RoutingConfig, staleness: Sta
     keep the paper's trigger and move only what redistribution would actually move: we
     route tentatively with r emptied, as Alg. 4 routes tentatively before a sync, and
     interrupt only r's trajectories that land on another rollout. Ones routed back to r,
-    or withheld, stay where they are, decoding. No state is needed: a trajectory is moved
-    only when a strictly better placement exists in this snapshot."""
+    or withheld, stay where they are, decoding. No state (cool-down) is needed: a
+    trajectory moves only when routing, on this very snapshot, would place it elsewhere,
+    so a cycle repeated on its own result moves nothing back."""
     idx = view.members(r)
     # Those that stay change the routing of those that leave (loads, ties), so repeat on
     # the smaller set until routing places every one elsewhere: the set only shrinks,
-    # and the cycle's own routing, on the same view, then makes the same placements.
+    # and the cycle's own routing, on the same view, then makes the same placements
+    # (unless repack or balancing, which run in between, change the view first).
     while idx.size:
         probe = view.fork()
         probe.to_ts(idx)
