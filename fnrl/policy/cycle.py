@@ -132,7 +132,7 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
     cmds += sync_commands(view, synced, snap.ps_version)
     tick("sync")
     if cfg.routing.migrate:
-        cmds += plan_migration(view, cfg.routing)
+        cmds += plan_migration(view, cfg.routing, stale_state, empties)
     tick("migration")
     if cfg.repack is not None and repack_due(snap.now_s, state.repack_due_s, snap.ps_version,
                                              state.repack_seen_ps_version):

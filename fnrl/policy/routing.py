@@ -8,7 +8,8 @@
 - `route`: the multi-level queue and waterfall selection with threshold μ (Alg. 3),
   admitting initial trajectories through the staleness discriminator (Alg. 2).
 - `plan_sync`: lazy per-instance synchronization (Alg. 4).
-- `plan_migration`: wait-queue overflow (φ_wait) and throughput gap (φ_throughput) (Alg. 5).
+- `plan_migration`: wait-queue overflow (φ_wait) and throughput gap (φ_throughput) (Alg. 5);
+  Case 2 moves only what routing would place on another rollout.
 
 All of it works on a `WorkingView`: a mutable numpy copy of one snapshot that lives for
 one decision cycle and is updated by each strategy in turn, as Alg. 1 updates its local
@@ -17,6 +18,7 @@ copy of S. Nothing here reads a clock, a file or a socket.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -167,6 +169,14 @@ class WorkingView:
     def pull(self, r: int, version: int) -> None:
         self.version[r] = version
         self.touched[r] = True
+
+    def fork(self) -> "WorkingView":
+        """An independent copy, for a tentative plan that must not touch this cycle's view."""
+        other = copy.copy(self)
+        for name in ("version", "kv", "inst", "waiting", "n_run", "n_wait", "touched"):
+            setattr(other, name, getattr(self, name).copy())
+        other._arrived = {r: list(v) for r, v in self._arrived.items()}
+        return other
 
 
 def _lookup(table: dict[int, int], keys: np.ndarray) -> np.ndarray:
@@ -377,8 +387,10 @@ def sync_commands(view: WorkingView, rollouts: Sequence[int], ps_version: int) -
 # --- migration (Alg. 5) ----------------------------------------------------------------------
 
 
-def plan_migration(view: WorkingView, cfg: RoutingConfig) -> list:
-    """Interrupt commands for wait-queue overflow and the throughput gap; applied to view."""
+def plan_migration(view: WorkingView, cfg: RoutingConfig, staleness: StalenessState,
+                   empties: Sequence[int]) -> list:
+    """Interrupt commands for wait-queue overflow and the throughput gap; applied to view.
+    `staleness` and `empties` are only read: Case 2 routes tentatively on them."""
     cmds = []
     # Case 1: more than φ_wait waiting. Gap (digest gap 7): the paper does not say which
     # waiting trajectories leave; we move the shortest contexts, the cheapest to
@@ -408,12 +420,47 @@ def plan_migration(view: WorkingView, cfg: RoutingConfig) -> list:
         t_busy = np.where(busy, t, np.inf)
         r_max = int(np.argmax(np.where(busy, t, -np.inf)))
         if t[r_max] > cfg.phi_throughput * t_busy.min():
-            idx = view.members(r_max)
+            idx = _redistributed(view, r_max, cfg, staleness, empties)
             if idx.size:
                 cmds.append(Interrupt(r_max, tuple(view.tid[idx].tolist())))
                 view.to_ts(idx)
                 view.touched[r_max] = True
     return cmds
+
+
+def _redistributed(view: WorkingView, r: int, cfg: RoutingConfig, staleness: StalenessState,
+                   empties: Sequence[int]) -> np.ndarray:
+    """Which of rollout r's trajectories Case 2 moves: those routing would place elsewhere.
+
+    Gap (digest gap 6, and the paper's missing cool-down): Alg. 5 returns all of r's
+    trajectories to the TS "for redistribution by the routing strategy". The fastest
+    rollout is usually fast because it holds many short contexts, and once emptied it is
+    the best place for them again (an idle rollout scores ΔT_ideal), so routing sends
+    them straight back: a net-zero move that costs every one a re-admission and, on
+    each cycle the gap persists, livelocks them (they are interrupted again before
+    producing a token). The gap's remedy is the redistribution, not the interrupt, so we
+    keep the paper's trigger and move only what redistribution would actually move: we
+    route tentatively with r emptied, as Alg. 4 routes tentatively before a sync, and
+    interrupt only r's trajectories that land on another rollout. Ones routed back to r,
+    or withheld, stay where they are, decoding. No state (cool-down) is needed: a
+    trajectory moves only when routing, on this very snapshot, would place it elsewhere,
+    so a cycle repeated on its own result moves nothing back."""
+    idx = view.members(r)
+    # Those that stay change the routing of those that leave (loads, ties), so repeat on
+    # the smaller set until routing places every one elsewhere: the set only shrinks,
+    # and the cycle's own routing, on the same view, then makes the same placements
+    # (unless repack or balancing, which run in between, change the view first).
+    while idx.size:
+        probe = view.fork()
+        probe.to_ts(idx)
+        plan = route(probe, staleness, list(empties), cfg.mu,
+                     gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes)
+        away = [np.asarray(i, np.int64) for dst, i in plan.routes.items() if dst != r]
+        keep = np.isin(idx, np.concatenate(away)) if away else np.zeros(idx.size, bool)
+        if keep.all():
+            break
+        idx = idx[keep]
+    return idx
 
 
 def route_commands(view: WorkingView, plan: RoutingPlan) -> list:

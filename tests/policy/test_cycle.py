@@ -167,3 +167,47 @@ def test_decide_cycle_is_pure():
     assert c1 == c2 and s1.staleness == s2.staleness
     for k, v in copies.items():
         np.testing.assert_array_equal(getattr(snap, k), v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(R=hst.integers(2, 4), G=hst.integers(1, 3), evs=events, seed=hst.integers(0, 2**16),
+       phi=hst.sampled_from([1.5, 5.0]))
+def test_migration_never_moves_a_trajectory_back_or_twice_without_progress(R, G, evs, seed,
+                                                                           phi):
+    """Migration (Alg. 5) moves a trajectory only to place it better:
+    - within a cycle, routing never returns an interrupted trajectory to the rollout it
+      just left (a net-zero move);
+    - a cycle applied to its predecessor's result (nothing decoded in between) moves
+      none of the trajectories that one moved;
+    - while every rollout decodes between cycles, no trajectory is migrated again before
+      it has produced a token since its last move (the Case 2 livelock).
+    Sync's interrupts (followed by a Pull of the same rollout) bring trajectories back by
+    design and are not migrations."""
+    cfg = CycleConfig(staleness=st.StalenessConfig(eta=1, batch_size=2), cost=COST,
+                      routing=RoutingConfig(phi_wait=1, phi_throughput=phi))
+    fc = FakeCluster(cfg, num_rollouts=R, group_size=G, kv_capacity=20.0, seed=seed)
+    tail = [("cycle", "tail")] + [("decode", r) for r in range(R)]
+    moved_at: dict[int, int] = {}     # tid -> its length when last migrated (tail only)
+    just_moved: set[int] = set()      # migrated since the last decode
+    for kind, x in [(k, x) for k, x in evs if k != "land"] + tail * 30:
+        if kind == "cycle":
+            before = {t.tid: t.length for t in fc.trajs.values()}
+            cmds = fc.cycle()
+            pulled = {c.rid for c in cmds if isinstance(c, Pull)}
+            routed = {(tid, c.rid) for c in cmds if isinstance(c, Route) for tid in c.tids}
+            for c in cmds:
+                if not isinstance(c, Interrupt) or c.rid in pulled:
+                    continue
+                for tid in c.tids:
+                    assert (tid, c.rid) not in routed, ("moved back", tid, c.rid)
+                    assert tid not in just_moved, ("moved again at once", tid)
+                    just_moved.add(tid)
+                    if x == "tail":
+                        assert moved_at.get(tid) != before[tid], ("no progress", tid)
+                        moved_at[tid] = before[tid]
+        elif kind == "decode":
+            fc.decode(x % R)
+            just_moved.clear()
+        elif kind == "train":
+            fc.finish_training()
+        fc.check()

@@ -96,15 +96,37 @@ def test_lazy_sync_only_where_routing_needs_it():
 def test_migration_cases():
     cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
     # Rollout 0: 3 waiting (lengths 5, 2, 9) → φ_wait = 1 sends the two shortest back.
-    # Rollout 1 runs 12, rollout 2 runs 2: T = 12 vs 2 > φ_throughput = 5 → all of 1.
+    # Rollout 1 runs 12, rollout 2 runs 2: T = 12 vs 2 > φ_throughput = 5, but with no
+    # KV or compute term every rollout gains the same from one more trajectory, so
+    # routing would return all 12 to rollout 1 (the first best): Case 2 moves none.
     trajs = ([(1, 1, 0, 1, 5), (2, 1, 0, 1, 2), (3, 1, 0, 1, 9), (4, 1, 0, 0, 1)]
              + [(10 + i, 2, 1, 0, 3) for i in range(12)] + [(30, 3, 2, 0, 3), (31, 3, 2, 0, 3)])
     view = WorkingView(snapshot(versions=[0, 0, 0], trajs=trajs), {1: 0, 2: 0, 3: 0}, cost)
-    cmds = plan_migration(view, RoutingConfig(phi_wait=1, phi_throughput=5.0))
-    assert cmds[0] == Interrupt(0, (2, 1))
-    assert cmds[1] == Interrupt(1, tuple(range(10, 22)))
-    assert len(cmds) == 2
-    assert view.n_wait[0] == 1 and view.n_run[1] == 0
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4))
+    cmds = plan_migration(view, RoutingConfig(phi_wait=1, phi_throughput=5.0), s,
+                          st.empty_counts(s))
+    assert cmds == [Interrupt(0, (2, 1))]
+    assert view.n_wait[0] == 1 and view.n_run[1] == 12
+
+
+def test_throughput_gap_moves_only_what_routing_places_elsewhere():
+    """Compute-bound past 4 running (k3·n > k2): rollout 1's 12 short trajectories give
+    T = 12/3 = 4, rollout 2's one long context T = 1/1.6, a gap above 5. Emptied,
+    rollout 1 is the best place for its first trajectories again; only the ones routing
+    would put on rollouts 0 and 2 leave, and routing does put every one of them there."""
+    cost = CostModel(k1=0.01, k2=1.0, k3=0.25, k4=0.0, k5=1.0)
+    trajs = [(10 + i, 2, 1, 0, 3) for i in range(12)] + [(30, 3, 2, 0, 60), (40, 4, 0, 0, 3)]
+    snap = snapshot(versions=[0, 0, 0], kv=[3, 36, 60], trajs=trajs)
+    view = WorkingView(snap, {2: 0, 3: 0, 4: 0}, cost)
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4))
+    cmds = plan_migration(view, RoutingConfig(phi_throughput=5.0), s, st.empty_counts(s))
+    assert len(cmds) == 1 and cmds[0].rid == 1
+    moved = set(cmds[0].tids)
+    assert 0 < len(moved) < 12
+    assert view.n_run[1] == 12 - len(moved)
+    plan = route(view, s, st.empty_counts(s), RoutingConfig().mu)
+    dst = {int(view.tid[i]): r for r, idx in plan.routes.items() for i in idx}
+    assert set(dst) == moved and 1 not in dst.values()
 
 
 def test_speculative_state_validation():

@@ -142,9 +142,11 @@ def test_heap_matches_the_real_loop_under_fnrl(tmp_path, monkeypatch):
                                     pull_s=PULL_S, kv_capacity_tokens=1000))
     sim = Simulation(sim_cfg, table=table)
     summary = sim.run()
-    assert log == real_log and len(log) > 50
+    assert log == real_log and len(log) > 5
     assert events(sim.timeline) == real
-    assert summary["interrupted"] > 100   # the policy moved trajectories around a lot
+    # Sync interrupts, but no migration livelock: before migration Case 2 skipped the
+    # moves routing would undo, it interrupted 972 times for these 32 trajectories.
+    assert 0 < summary["interrupted"] < 32
     # (`continued` differs by a few: the loop counts a placement when its request starts,
     # which an interrupt in the same instant can prevent.)
     for key in ("routed", "interrupted", "migrated", "pulls", "trained_tokens",
