@@ -11,7 +11,8 @@ import fnrl.sim.cluster
 from fnrl.sim import costs
 from fnrl.sim.cluster import layout
 from fnrl.sim.repro import SETUPS, reproduce
-from fnrl.sim.repro.staleflow import MeanClaim, config, setup, tune_split
+from fnrl.sim.repro import PairsClaim
+from fnrl.sim.repro.staleflow import config, setup, tune_split
 
 
 def test_table4_reads_as_one_h20():
@@ -36,8 +37,8 @@ def test_cluster_by_hand():
 
 
 def test_mean_claim_averages_the_pairs():
-    c = MeanClaim(name="x", system="a1", baseline="b", paper=2.0,
-                  pairs=(("a1", "b"), ("a2", "b"), ("a3", "c")))
+    c = PairsClaim(name="x", system="a1", baseline="b", paper=2.0,
+                   pairs=(("a1", "b"), ("a2", "b"), ("a3", "c")))
     s = {"a1": {"trained_seq_tokens_per_s": 30.0}, "a2": {"trained_seq_tokens_per_s": 60.0},
          "a3": {"trained_seq_tokens_per_s": 10.0}, "b": {"trained_seq_tokens_per_s": 20.0},
          "c": {"trained_seq_tokens_per_s": 40.0}}

@@ -47,6 +47,20 @@ class Claim:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PairsClaim(Claim):
+    """A paper's "average speedup" (`how="mean"`) or "up to" (`"max"`) over its points:
+    the ratio of each (system, baseline) pair in `pairs`, each taken within one seed.
+    `system` and `baseline` name the first pair (for the log)."""
+
+    pairs: tuple[tuple[str, str], ...]
+    how: str = "mean"
+
+    def ratio(self, summaries: dict[str, dict]) -> float:
+        ratios = [summaries[a][self.metric] / summaries[b][self.metric] for a, b in self.pairs]
+        return statistics.fmean(ratios) if self.how == "mean" else max(ratios)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Setup:
     paper: str                       # "Laminar (seed 000)"
     setup: str                       # the paper's stated setup, one paragraph

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from fnrl.control.metrics import staleness_histogram
 from fnrl.sim.cluster import Simulation, layout, plan_for
 from fnrl.sim.config import ABLATIONS, SimConfig
 from fnrl.sim.repro import SETUPS
@@ -61,11 +62,7 @@ def run_once(cfg: SimConfig) -> dict:
     """One simulation's summary, with the trained tokens' mean staleness (in versions)."""
     sim = Simulation(cfg)
     s = sim.run()
-    hist = np.zeros(0)
-    for rec in sim.step_records:
-        h = np.asarray(rec["staleness_hist"], float)
-        hist = np.pad(hist, (0, max(len(h) - len(hist), 0)))
-        hist[:len(h)] += h
+    hist = staleness_histogram(sim.step_records)
     s["staleness_mean"] = float(hist @ np.arange(len(hist)) / max(hist.sum(), 1.0))
     return s
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import Claim, Setup, register
+from fnrl.sim.repro import PairsClaim, Setup, register
 from fnrl.sim.workload import WorkloadSpec
 
 PAPER_MEAN = 2.56          # §8.1: Laminar over verl, averaged over Fig. 11
@@ -117,22 +117,9 @@ def points(quick: bool) -> tuple[tuple[str, int], ...]:
     return tuple((m, g) for m, split in LAMINAR_SPLIT.items() for g in split)
 
 
-@dataclass(frozen=True, kw_only=True)
-class OverPoints(Claim):
-    """`how` ("mean" or "max") over `pairs` of system / baseline, each ratio taken within
-    one seed: the paper's "average speedup" and "up to" over Fig. 11's points."""
-
-    pairs: tuple[tuple[str, str], ...]
-    how: str = "mean"
-
-    def ratio(self, summaries: dict[str, dict]) -> float:
-        ratios = [summaries[a][self.metric] / summaries[b][self.metric] for a, b in self.pairs]
-        return statistics.fmean(ratios) if self.how == "mean" else max(ratios)
-
-
-def over_points(name: str, system: str, pts, paper: float, how: str = "mean") -> OverPoints:
+def over_points(name: str, system: str, pts, paper: float, how: str = "mean") -> PairsClaim:
     pairs = tuple((label(system, *p), label("verl", *p)) for p in pts)
-    return OverPoints(name=name, system=pairs[0][0], baseline=pairs[0][1], paper=paper,
+    return PairsClaim(name=name, system=pairs[0][0], baseline=pairs[0][1], paper=paper,
                       metric=METRIC, pairs=pairs, how=how)
 
 

@@ -25,11 +25,9 @@ real coordinator:
 from __future__ import annotations
 
 import dataclasses
-import statistics
-from dataclasses import dataclass
 
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import Claim, Setup, register
+from fnrl.sim.repro import PairsClaim, Setup, register
 from fnrl.sim.workload import WorkloadSpec
 
 GPUS = 128                    # §6.1: 16 machines × 8 H20
@@ -47,18 +45,6 @@ ROLLOUT_TP = 1
 TRAIN_GPU_CHOICES = (16, 24, 32, 48, 64)
 TUNE_SEED, TUNE_STEPS = 1000, 10
 QUICK_TRAIN_GPUS = 8
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeanClaim(Claim):
-    """The paper's average speedup: the mean over `pairs` (system, baseline) of the
-    per-pair ratio, as Fig. 13's average runs over its staleness bounds."""
-
-    pairs: tuple[tuple[str, str], ...]
-
-    def ratio(self, summaries: dict[str, dict]) -> float:
-        return statistics.mean(summaries[s][self.metric] / summaries[b][self.metric]
-                               for s, b in self.pairs)
 
 
 def workload(quick: bool) -> WorkloadSpec:
@@ -114,9 +100,9 @@ def setup(quick: bool = False) -> Setup:
         runs[f"StaleFlow-eta{eta}"] = disaggregated(f"StaleFlow-eta{eta}", "staleflow", eta)
     runs["fnrl"] = disaggregated("fnrl", "fnrl", min(FNRL_ETA, max(etas)))
 
-    def mean_over_eta(name: str, baseline, paper: float) -> MeanClaim:
+    def mean_over_eta(name: str, baseline, paper: float) -> PairsClaim:
         pairs = tuple((f"StaleFlow-eta{e}", baseline(e)) for e in etas)
-        return MeanClaim(name=name, system=pairs[0][0], baseline=pairs[0][1], paper=paper,
+        return PairsClaim(name=name, system=pairs[0][0], baseline=pairs[0][1], paper=paper,
                          pairs=pairs)
 
     claims = (
