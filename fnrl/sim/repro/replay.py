@@ -33,6 +33,7 @@ What is measured and what is derived:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -83,8 +84,10 @@ def train_call_s() -> float:
     return (1.0 - SYNC_TRAINER_IDLE) * SYNC_WALL_S / STEPS
 
 
+@functools.cache
 def expected_longest(spec: WorkloadSpec, seeds=range(16)) -> float:
-    """The mean over batches of a batch's longest response, over the workload's own draws."""
+    """The mean over batches of a batch's longest response, over the workload's own draws
+    (cached: the setup reads it for the cost file and again for its assumptions)."""
     longest = []
     for seed in seeds:
         for step in range(STEPS):
