@@ -16,8 +16,11 @@ same metrics (fnrl.control.report.COUNT_KEYS, staleness histogram, idle ratios, 
   laminar          trajectory-level asynchrony: pull on running dry, dynamic repack of
                    long tails, a loose bound (η = 4) in place of Laminar's none.
   staleflow        StaleFlow: lazy per-rollout sync, throughput routing, migration, η = 1.
-  fnrl             StaleFlow's coordination plus Laminar's repack and OrchestrRL's
-                   balancer, with η = 2.
+  fnrl             StaleFlow's coordination plus OrchestrRL's balancer, with η = 2.
+                   Laminar's repack is not in it: on every simulated setup it did not
+                   help (docs/simulation.md, "fnrl's mechanisms"), since lazy sync and
+                   migration already free a rollout held by long tails; `--coord.use-repack`
+                   adds it.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def staleflow(cfg: RunConfig) -> RunConfig:
 
 def fnrl(cfg: RunConfig) -> RunConfig:
     return _coord(cfg, "fnrl", eta=2, routing=RoutingConfig(sync="lazy", migrate=True),
-                  use_repack=True, use_balance=True)
+                  use_balance=True)
 
 
 PRESETS: dict[str, Callable[[RunConfig], RunConfig]] = {

@@ -9,6 +9,8 @@ version, so every trajectory stays single-version (Laminar §2.4).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from fnrl.config import RepackConfig
@@ -18,8 +20,14 @@ from fnrl.types import Migrate, Pull
 
 
 def best_fit_consolidation(c_used: np.ndarray, c_prev: np.ndarray, n_reqs: np.ndarray, *,
-                           c_max: float, batch_bound: int) -> list[tuple[int, int]]:
+                           c_max: float, batch_bound: int,
+                           step_s: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                           max_slowdown: float = 0.0) -> list[tuple[int, int]]:
     """Alg. 1 on one version group: (source, destination) index pairs.
+
+    With `step_s` (seconds per decode step as a function of KV utilization and batch),
+    CanFit also requires the packed step to be at most (1 + max_slowdown) × the step of
+    the source and of the destination before it (`RepackConfig.max_slowdown`).
 
     Guard (digest, "implementation notes"): as written, a rollout that already received
     sources could later leave as a source, and CanFit would then ignore what it took
@@ -41,6 +49,9 @@ def best_fit_consolidation(c_used: np.ndarray, c_prev: np.ndarray, n_reqs: np.nd
             continue
         fit = (~emptied & (load_c + load_c[p] <= c_max)                # CanFit, lines 14-17
                & (load_n + load_n[p] <= batch_bound))
+        if step_s is not None:
+            before = np.minimum(step_s(load_c, load_n), step_s(load_c[p], load_n[p]))
+            fit &= step_s(load_c + load_c[p], load_n + load_n[p]) <= (1 + max_slowdown) * before
         fit[p] = False
         if not fit.any():
             continue
@@ -67,8 +78,15 @@ def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
     cmds = []
     for v in np.unique(view.version[free]).tolist():
         rids = np.flatnonzero(free & (view.version == v))
+        step_s = None
+        if cfg.max_slowdown is not None:
+            # Utilization back to KV tokens at the group's smallest capacity (a version
+            # group's rollouts are alike; the smallest errs towards not packing).
+            cap = float(view.cap[rids].min())
+            step_s = lambda c, n, cap=cap: cost_model.step_latency(view.cost, c * cap, n)  # noqa: E731
         for s, d in best_fit_consolidation(util[rids], util_prev[rids], n_reqs[rids],
-                                           c_max=cfg.c_max, batch_bound=bound):
+                                           c_max=cfg.c_max, batch_bound=bound, step_s=step_s,
+                                           max_slowdown=cfg.max_slowdown or 0.0):
             src, dst = int(rids[s]), int(rids[d])
             idx = view.members(src)
             if idx.size == 0:

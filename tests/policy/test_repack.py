@@ -24,6 +24,27 @@ def test_algorithm1_by_hand():
         [(0, 2), (5, 2)]
 
 
+def test_a_pack_that_slows_the_kv_bound_step_is_refused():
+    """step(c, n) = 10·c + max(1, 0.01·n): the KV-read term dominates. r0 (.05, step 1.5)
+    onto r1 (.10, step 2.0) gives .15, step 2.5: 1.67× r0's step. Refused at a 10% bound,
+    admitted at 100% (2.5 ≤ 2 × 1.5) and by the paper's rule alone (no step model)."""
+    c_used, c_prev, n_reqs = np.array([0.05, 0.10]), np.array([0.5, 0.5]), np.array([2, 3])
+
+    def step(c, n):
+        return 10 * c + np.maximum(1.0, 0.01 * n)
+
+    kw = dict(c_max=0.99, batch_bound=8)
+    assert best_fit_consolidation(c_used, c_prev, n_reqs, **kw, step_s=step,
+                                  max_slowdown=0.1) == []
+    assert best_fit_consolidation(c_used, c_prev, n_reqs, **kw, step_s=step,
+                                  max_slowdown=1.0) == [(0, 1)]
+    assert best_fit_consolidation(c_used, c_prev, n_reqs, **kw) == [(0, 1)]
+    # Weight-bound (no KV term): packing is free below B, as the roofline rule assumes.
+    assert best_fit_consolidation(c_used, c_prev, n_reqs, **kw,
+                                  step_s=lambda c, n: np.maximum(1.0, 0.01 * n) + 0 * c,
+                                  max_slowdown=0.0) == [(0, 1)]
+
+
 def test_triggers():
     assert repack_due(5.0, 5.0, 3, 3)        # the period elapsed
     assert repack_due(1.0, 5.0, 4, 3)        # a new version was published
@@ -46,8 +67,19 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
     cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
     assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
+    # With a KV-read term that makes 40 tokens' step 1.6× 10 tokens', the pack is refused
+    # at the default 10% bound, and taken by the paper's rule alone.
+    kv_bound = CostModel(k1=1e-3, k2=1e-3, k3=1e-6, k4=1e-2)
+    assert plan_repack(WorkingView(snap, {1: 0, 2: 0, 3: 1}, kv_bound), RepackConfig(
+        batch_bound=8), ps_version=1) == []
+    view = WorkingView(snap, {1: 0, 2: 0, 3: 1}, kv_bound)
+    cmds = plan_repack(view, RepackConfig(batch_bound=8, max_slowdown=None), ps_version=1)
+    assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
+    assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
 
 
 def test_config_validation():
     with pytest.raises(ValueError, match="c_max=0"):
         RepackConfig(c_max=0)
+    with pytest.raises(ValueError, match="max_slowdown"):
+        RepackConfig(max_slowdown=-0.1)

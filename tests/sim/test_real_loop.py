@@ -101,7 +101,7 @@ def recorder(monkeypatch) -> list:
 
 def test_heap_matches_the_real_loop_under_fnrl(tmp_path, monkeypatch):
     """Two rollouts, groups of 4, lognormal lengths (the job's own forced lengths), the
-    `fnrl` preset: lazy sync, routing, migration, repack and balancing all run, and the
+    `fnrl` preset: lazy sync, routing, migration and balancing all run, and the
     heap issues the same commands at the same times as the real loop, cycle by cycle."""
     log = recorder(monkeypatch)
     preset, steps = "fnrl", 4

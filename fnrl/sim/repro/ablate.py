@@ -1,17 +1,19 @@
-"""The `fnrl` preset's mechanisms switched off one at a time on a seed's setup (issue 13).
+"""The `fnrl` preset's mechanisms switched one at a time on a seed's setup (issue 13).
 
     python -m fnrl.sim.repro.ablate SETUP|all [--seeds 0 1 2] [--quick] [--out runs/repro]
 
 Takes the run labelled "fnrl" of a registered setup (fnrl.sim.repro.SETUPS), runs it
-once per simulation seed as it is, with each of fnrl.sim.config.ABLATIONS switched off
-in turn (through `SimConfig.ablate`, which changes the real coordinator config in
-fnrl.sim.cluster.plan_for), and with all of them off. Writes out/SETUP/ablation.{md,json,png}:
+once per simulation seed as it is, with each of fnrl.sim.config.ABLATIONS switched in
+turn: off where the preset runs it (through `SimConfig.ablate`, which changes the real
+coordinator config in fnrl.sim.cluster.plan_for), on where the preset leaves it out and it
+can be (`SimConfig.enable`, config.ENABLES; the row is labelled "+name"), and with all of
+them off. Writes out/SETUP/ablation.{md,json,png}:
 per variant, the seeds' metric (trained prompt + response tokens per second) as the median
 and spread over seeds, its change against full fnrl (the median of the per-seed ratios),
 and the counts that say why (interrupts, migrations, repacks, preemptions, staleness).
 
-A variant whose coordinator config equals full fnrl's (say, balancing off on a setup
-whose fnrl run has no balancer) is not run again: its row repeats fnrl's, marked "same
+A variant whose coordinator config equals full fnrl's (say, the sampler off on a setup
+whose fnrl run already samples as the protocol does) is not run again: its row repeats fnrl's, marked "same
 config". Importing this module registers no setup.
 """
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from fnrl.control.metrics import staleness_histogram
 from fnrl.sim.cluster import Simulation, layout, plan_for
-from fnrl.sim.config import ABLATIONS, SimConfig
+from fnrl.sim.config import ABLATIONS, ENABLES, SimConfig
 from fnrl.sim.repro import SETUPS
 
 METRIC = "trained_seq_tokens_per_s"
@@ -44,13 +46,40 @@ OFF = {
 """What each ablation switches off, for the table."""
 
 
-def variants() -> list[tuple[str, tuple[str, ...]]]:
-    """(label, ablations): full fnrl, each mechanism off alone, and all of them off."""
-    return [("fnrl", ())] + [(name, (name,)) for name in ABLATIONS] + [("all", ABLATIONS)]
+def _off(cfg: SimConfig, names: tuple[str, ...]) -> SimConfig:
+    return dataclasses.replace(cfg, ablate=tuple(dict.fromkeys(cfg.ablate + names)),
+                               enable=tuple(n for n in cfg.enable if n not in names))
+
+
+def variants(base: SimConfig) -> list[tuple[str, SimConfig]]:
+    """(label, config): full fnrl; each mechanism switched off alone where `base` runs it,
+    or on alone ("+name") where it does not and config.ENABLES can add it; all of them
+    off. A mechanism that neither changes keeps its off row (run as "same config")."""
+    full = coordinator(base)
+    out = [("fnrl", base)]
+    for name in ABLATIONS:
+        off = _off(base, (name,))
+        if coordinator(off) == full and name in ENABLES:
+            on = dataclasses.replace(base, enable=base.enable + (name,))
+            if coordinator(on) != full:
+                out.append((f"+{name}", on))
+                continue
+        out.append((name, off))
+    return out + [("all", _off(base, ABLATIONS))]
 
 
 def label_of(variant: str) -> str:
-    return "fnrl" if variant == "fnrl" else f"fnrl without {variant}"
+    if variant == "fnrl":
+        return "fnrl"
+    return f"fnrl with {variant[1:]}" if variant.startswith("+") else f"fnrl without {variant}"
+
+
+def describe(variant: str) -> str:
+    if variant == "all":
+        return "everything above that the preset runs, off"
+    if variant.startswith("+"):
+        return f"switched on: {OFF[variant[1:]]}"
+    return OFF.get(variant, "")
 
 
 def coordinator(cfg: SimConfig):
@@ -81,9 +110,8 @@ def ablate(setup_name: str, *, seeds=(0, 1, 2), quick: bool = False, out: Path |
     full = coordinator(base)
     summaries: dict[str, dict[int, dict]] = {}
     same: dict[str, bool] = {}
-    for label, names in variants():
-        cfg = dataclasses.replace(base, ablate=tuple(dict.fromkeys(base.ablate + names)))
-        same[label] = bool(names) and coordinator(cfg) == full
+    for label, cfg in variants(base):
+        same[label] = label != "fnrl" and coordinator(cfg) == full
         if same[label]:
             summaries[label] = summaries["fnrl"]
             log(f"{setup_name} {label}: same coordinator config as fnrl, not run again")
@@ -109,7 +137,7 @@ def rows(summaries: dict[str, dict[int, dict]], same: dict[str, bool]) -> list[d
         vals = [runs[k][METRIC] for k in seeds]
         # Within a seed both runs see the same workload group by group: compare there.
         deltas = [runs[k][METRIC] / full[k][METRIC] - 1.0 for k in seeds]
-        out.append({"variant": label, "off": OFF.get(label, "everything above" if label == "all" else ""),
+        out.append({"variant": label, "off": describe(label),
                     "same_config": same[label], "median": statistics.median(vals),
                     "min": min(vals), "max": max(vals), "per_seed": vals,
                     "delta": statistics.median(deltas),
@@ -122,7 +150,7 @@ def rows(summaries: dict[str, dict[int, dict]], same: dict[str, bool]) -> list[d
 
 def table(res: dict) -> str:
     n = len(res["seeds"])
-    lines = [f"| fnrl without | tokens/s, median (min–max over {n} seeds) | Δ vs fnrl | "
+    lines = [f"| fnrl without (+: with) | tokens/s, median (min–max over {n} seeds) | Δ vs fnrl | "
              "interrupted | moved (migration + repack) | Migrate commands | preemptions | "
              "pulls | staleness mean | "
              "rollouts idle | trainer idle |",
@@ -159,7 +187,9 @@ def write(res: dict, d: Path) -> None:
            yerr=[[r["median"] - r["min"] for r in rs], [r["max"] - r["median"] for r in rs]],
            color=["tab:green"] + ["tab:gray" if r["same_config"] else "tab:blue" for r in rs[1:]])
     ax.axhline(rs[0]["median"], color="tab:green", lw=0.8, ls="--")
-    ax.set_xticks(list(x), ["fnrl"] + [f"−{r['variant']}" for r in rs[1:]], fontsize=8, rotation=15)
+    ax.set_xticks(list(x), ["fnrl"] + [r["variant"] if r["variant"].startswith("+")
+                                        else f"−{r['variant']}" for r in rs[1:]],
+                  fontsize=8, rotation=15)
     ax.set(ylabel="trained tokens/s (prompt + response)", title=f"fnrl ablation: {res['setup']}")
     fig.tight_layout()
     fig.savefig(d / "ablation.png", dpi=110)
