@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from fnrl.config.base import check
 
 SYNC_MODES = ("lazy", "greedy", "on_idle")
+ROUTING_POLICIES = ("waterfall", "fewest")
 SAMPLER_NAMES = ("fifo", "oldest_version", "protocol")
 """The keys of fnrl.policy.samplers.SAMPLERS (a test keeps the two equal)."""
 
@@ -47,6 +48,11 @@ class RoutingConfig:
     """Migrate a rollout's waiting trajectories beyond this many (Alg. 5; §6: 3)."""
     phi_throughput: float = 5.0
     """Redistribute the fastest rollout when T_max/T_min exceeds this (Alg. 5; §6: 5)."""
+    policy: str = "waterfall"
+    """"waterfall" (Alg. 3: the lowest admissible version group whose best marginal gain
+    is at least μ·ΔT_ideal) or "fewest" (§6.5's vanilla routing: the admissible rollout
+    with the fewest trajectories, running and waiting, regardless of cost and never
+    withheld; ties go to the lowest version). Both keep the staleness protocol's checks."""
     sync: str = "lazy"
     """"lazy" (Alg. 4), "greedy" (pull whenever behind: §6.5's vanilla sync) or
     "on_idle" (pull when a rollout has nothing left: Laminar §3)."""
@@ -72,6 +78,8 @@ class RoutingConfig:
         check(self.gain_resolution >= 0, name, "gain_resolution", self.gain_resolution,
               "must be >= 0")
         check(self.sync in SYNC_MODES, name, "sync", self.sync, f"must be one of {SYNC_MODES}")
+        check(self.policy in ROUTING_POLICIES, name, "policy", self.policy,
+              f"must be one of {ROUTING_POLICIES}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,8 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
         cmds += plan_balance(view, cfg.balance)
     tick("balance")
     plan = route(view, stale_state, empties, cfg.routing.mu,
-                 gain_resolution=cfg.routing.gain_resolution, max_routes=cfg.routing.max_routes)
+                 gain_resolution=cfg.routing.gain_resolution, max_routes=cfg.routing.max_routes,
+                 policy=cfg.routing.policy)
     cmds += route_commands(view, plan)
     if plan.admissions:
         stale_state = st.reserve_many(stale_state, plan.admissions)

@@ -210,7 +210,7 @@ def quantize_length(length: int, resolution: int) -> float:
 
 def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: float, *,
           version: np.ndarray | None = None, gain_resolution: int = 16,
-          max_routes: int | None = None) -> RoutingPlan:
+          max_routes: int | None = None, policy: str = "waterfall") -> RoutingPlan:
     """Alg. 3 over the trajectories in the TS. Reads `view` without changing it;
     `empties` (free entries per buffer) is updated in place as groups are admitted, so a
     probe within one cycle sees earlier admissions (digest note on Alg. 2). `version`
@@ -224,7 +224,13 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
     share that pass; the KV-fit test errs on the safe side, and loads are updated with
     exact lengths. The threshold μ·ΔT_ideal is taken at the same rounded length, so an
     idle rollout scores exactly ΔT_ideal and μ = 1 still admits to idle rollouts.
+
+    `policy="fewest"` (§6.5's vanilla routing, `RoutingConfig.policy`) scores a rollout
+    by minus its trajectory count instead of its gain, takes the best admissible one over
+    every version group, and never withholds; queue order and the protocol's checks are
+    the same.
     """
+    fewest = policy == "fewest"
     cost = view.cost
     version = view.version if version is None else version
     ts = np.flatnonzero(view.inst == -1)
@@ -270,7 +276,11 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
                                     view.length[ts].tolist(), view.vtraj[ts].tolist()):
         v_traj = v_traj if v_traj >= 0 else new_v.get(g, -1)
         q = quantize_length(length, gain_resolution)
-        if q != gain_len:
+        if fewest and gain is None:
+            gain = -(n + n_wait)
+            best = [a + int(np.argmax(gain[a:b])) for a, b in bounds]
+            best_val = [float(gain[j]) for j in best]
+        elif not fewest and q != gain_len:
             gain = np.where(k5 * q <= room, (n + 1) / (base + k1 * k5 * q) - t0, 0.0)
             gain_len = q
             best = [a + int(np.argmax(gain[a:b])) for a, b in bounds]
@@ -287,7 +297,10 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
             # groups) need version ≥ V_traj; initial ones a successful simulated Reserve.
             if (gv < v_traj) if v_traj >= 0 else not admissible[gi]:
                 continue
-            if best_val[gi] >= threshold and best_val[gi] > 0:
+            if fewest:
+                if chosen < 0 or best_val[gi] > gain[chosen]:
+                    chosen = best[gi]
+            elif best_val[gi] >= threshold and best_val[gi] > 0:
                 chosen = best[gi]
                 break
         if chosen < 0:
@@ -318,7 +331,9 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
         room[chosen] = cap[chosen] - c_kv if c_w == 0 else -np.inf
         kv1 = c_kv + k5 * q
         new_gain = 0.0
-        if kv1 <= cap[chosen] and c_w == 0:
+        if fewest:
+            new_gain = -(c_n + c_w)
+        elif kv1 <= cap[chosen] and c_w == 0:
             new_gain = (c_n + 1) / (k1 * kv1 + max(k2, k3 * (c_n + 1)) + k4) - c_t0
         gain[chosen] = new_gain
         gi = group_of[chosen]
@@ -367,7 +382,8 @@ def plan_sync(view: WorkingView, staleness: StalenessState, empties: Sequence[in
     # loses every trajectory to an equally upgraded peer keeps its KV and goes on).
     tentative = np.where(eligible, ps_version, view.version)
     plan = route(view, staleness, list(empties), cfg.mu, version=tentative,
-                 gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes)
+                 gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes,
+                 policy=cfg.policy)
     return sorted(r for r in plan.routes if eligible[r])
 
 
@@ -454,7 +470,8 @@ def _redistributed(view: WorkingView, r: int, cfg: RoutingConfig, staleness: Sta
         probe = view.fork()
         probe.to_ts(idx)
         plan = route(probe, staleness, list(empties), cfg.mu,
-                     gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes)
+                     gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes,
+                     policy=cfg.policy)
         away = [np.asarray(i, np.int64) for dst, i in plan.routes.items() if dst != r]
         keep = np.isin(idx, np.concatenate(away)) if away else np.zeros(idx.size, bool)
         if keep.all():

@@ -108,7 +108,8 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
 
 def _switch(coord, name: str, on: bool):
     """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off.
-    Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), the sampler the
+    Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), routing the fewest
+    trajectories (its vanilla routing), the sampler the
     protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
     overlapped with training). `enable` takes only the first four (config.ENABLES)."""
     routing = coord.routing
@@ -121,6 +122,9 @@ def _switch(coord, name: str, on: bool):
     if name == "lazy_sync":
         sync = "lazy" if on else ("greedy" if routing.sync == "lazy" else routing.sync)
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
+    if name == "routing":
+        policy = "waterfall" if on else "fewest"
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, policy=policy))
     if name == "sampler":
         return coord if on else dataclasses.replace(coord, sampler="protocol")
     if name == "eta":

@@ -9,12 +9,14 @@ from fnrl.sim.workload import WorkloadSpec
 
 PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
-ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "sampler", "eta")
+ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "routing", "sampler", "eta")
 ENABLES = ("repack", "balance", "migration", "lazy_sync")
 """What `SimConfig.ablate` switches off (fnrl.sim.cluster.plan_for): Laminar's repack,
 OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
-replaced by its §6.5 "vanilla" sync: pull whenever behind), the sampler (the head buffer
-trained as the protocol filled it) and the looser staleness bound (η down to one_step's)."""
+replaced by its §6.5 "vanilla" sync: pull whenever behind), StaleFlow's waterfall routing
+(Alg. 3, replaced by its §6.5 "vanilla" routing: the fewest trajectories), the sampler
+(the head buffer trained as the protocol filled it) and the looser staleness bound (η
+down to one_step's)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -147,5 +147,32 @@ def test_config_validation():
         RoutingConfig(mu=1.5)
     with pytest.raises(ValueError, match="sync='eager'"):
         RoutingConfig(sync="eager")
+    with pytest.raises(ValueError, match="policy='least'"):
+        RoutingConfig(policy="least")
     with pytest.raises(ValueError, match="k1=-1"):
         CostModel(k1=-1)
+
+
+def test_fewest_routing_balances_counts_and_keeps_the_version_checks():
+    """§6.5's vanilla routing (RoutingConfig.policy="fewest"). Rollouts 0-2 serve V0 with
+    3, 2 (one waiting: its KV is full) and 2 trajectories; rollout 3 serves V1 with 5. The
+    partial trajectory (V_traj = 1) can go only to rollout 3, however loaded. The new
+    group's four then go to the fewest each time, ties to the first: counts 3,2,2 → r1;
+    3,3,2 → r2; 3,3,3 → r0; 4,3,3 → r1. The waterfall never routes to r1 (nothing fits
+    behind a waiting trajectory)."""
+    cost = CostModel(k1=0.001, k2=1.0, k3=0.0, k4=0.0)
+    trajs = ([(1, 1, 0, 0, 50), (2, 1, 0, 0, 50), (3, 1, 0, 0, 50), (4, 2, 1, 0, 50),
+              (5, 2, 1, 1, 50), (6, 3, 2, 0, 50), (7, 3, 2, 0, 50)]
+             + [(8 + i, 4, 3, 0, 50) for i in range(5)]
+             + [(20, 5, -1, 0, 30)] + [(21 + i, 9, -1, 0, 10) for i in range(4)])
+    snap = snapshot(versions=[0, 0, 0, 1], kv=[150.0, 100.0, 100.0, 250.0], cap=1000.0,
+                    trajs=trajs, ps_version=1)
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4), v_train=1)
+    versions = {1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
+    plan = route(WorkingView(snap, versions, cost), s, st.empty_counts(s), 0.3,
+                 policy="fewest")
+    assert plan.routes == {3: [12], 1: [13, 16], 2: [14], 0: [15]}
+    assert [v for _, v in plan.admissions] == [0]
+    assert plan.waits[1] == [True, True]          # queued behind rollout 1's waiting one
+    waterfall = route(WorkingView(snap, versions, cost), s, st.empty_counts(s), 0.3)
+    assert 1 not in waterfall.routes and waterfall.routes[3][0] == 12

@@ -34,6 +34,7 @@ def test_each_ablation_changes_the_coordinator_the_simulation_runs():
         "balance": lambda c: c.balance is None,
         "migration": lambda c: c.routing.migrate is False,
         "lazy_sync": lambda c: c.routing.sync == "greedy",
+        "routing": lambda c: c.routing.policy == "fewest",
         "sampler": lambda c: c.sampler == "protocol",
         "eta": lambda c: c.staleness.eta == 1,
     }
@@ -52,8 +53,8 @@ def test_each_ablation_changes_the_coordinator_the_simulation_runs():
     everything = _cycle(FNRL, *ABLATIONS)
     assert all(check(everything) for check in changed.values())
     labels = [label for label, _ in ab.variants(FNRL)]
-    assert labels == ["fnrl", "+repack", "balance", "migration", "lazy_sync", "sampler", "eta",
-                      "all"]
+    assert labels == ["fnrl", "+repack", "balance", "migration", "lazy_sync", "routing", "sampler",
+                      "eta", "all"]
 
 
 def test_ablations_a_preset_lacks_change_nothing():
@@ -85,10 +86,10 @@ def test_table_arithmetic_and_reuse_of_equal_configs(monkeypatch, tmp_path):
     monkeypatch.setattr(ab, "run_once", fake_run)
     res = ab.ablate("t-staleflow", seeds=(0, 1, 2), out=tmp_path, log=lambda _: None)
     ran = {names for names, _ in calls}
-    assert ("eta",) not in ran and {("+repack",), ("+balance",)} <= ran and len(calls) == 3 * 7
+    assert ("eta",) not in ran and {("+repack",), ("+balance",)} <= ran and len(calls) == 3 * 8
     rows = {r["variant"]: r for r in res["rows"]}
     assert [r["variant"] for r in res["rows"]] == ["fnrl", "+repack", "+balance", "migration",
-                                                  "lazy_sync", "sampler", "eta", "all"]
+                                                  "lazy_sync", "routing", "sampler", "eta", "all"]
     assert [r["variant"] for r in res["rows"] if r["same_config"]] == ["eta"]
     assert rows["eta"]["per_seed"] == rows["fnrl"]["per_seed"] == [100.0, 200.0, 400.0]
     assert rows["+repack"]["delta"] == pytest.approx(0.25)

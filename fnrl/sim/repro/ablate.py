@@ -40,6 +40,7 @@ OFF = {
     "balance": "OrchestrRL's balancer",
     "migration": "StaleFlow's migration (Alg. 5)",
     "lazy_sync": "lazy sync (Alg. 4) → pull whenever behind (§6.5's vanilla sync)",
+    "routing": "waterfall routing (Alg. 3) → the fewest trajectories (§6.5's vanilla routing)",
     "sampler": "the sampler → the head buffer as the protocol filled it",
     "eta": "η → 1 (one_step's bound)",
 }
