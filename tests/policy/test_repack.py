@@ -67,13 +67,13 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
     cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
     assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
-    # With a KV-read term that makes 40 tokens' step 1.6× 10 tokens', the pack is refused
-    # at the default 10% bound, and taken by the paper's rule alone.
+    # With a KV-read term that makes 40 tokens' step 2.4× 10 tokens', the pack is refused
+    # at a 10% bound, and taken by the paper's rule alone (the default).
     kv_bound = CostModel(k1=1e-3, k2=1e-3, k3=1e-6, k4=1e-2)
     assert plan_repack(WorkingView(snap, {1: 0, 2: 0, 3: 1}, kv_bound), RepackConfig(
-        batch_bound=8), ps_version=1) == []
+        batch_bound=8, max_slowdown=0.1), ps_version=1) == []
     view = WorkingView(snap, {1: 0, 2: 0, 3: 1}, kv_bound)
-    cmds = plan_repack(view, RepackConfig(batch_bound=8, max_slowdown=None), ps_version=1)
+    cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
     assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
 
