@@ -36,7 +36,11 @@ class RelayConfig:
     ucx_error_handling: bool = False
     """UCX peer error handling. On one host it rules out the shared-memory and CMA
     transports (UCX then falls back to TCP, about 5x slower), so it is off; every UCX
-    wait has a timeout instead, which is how a dead peer is noticed."""
+    wait has a timeout instead, which is how a dead peer is noticed. Known defect with it
+    off: a relay reading a chunk from its upstream over CMA at the instant that upstream
+    is killed is aborted by UCX (process_vm_readv on a dead pid is fatal), so a SIGKILL
+    of one relay mid-broadcast can take its downstream with it; the tier splices both out
+    (tests/relay/test_broadcast.py, the master's kill)."""
 
     def __post_init__(self):
         positive(self, "num_relays", "chunk_bytes", "keep_versions", "inbox_slots",
