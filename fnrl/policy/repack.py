@@ -78,14 +78,15 @@ def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
     cmds = []
     for v in np.unique(view.version[free]).tolist():
         rids = np.flatnonzero(free & (view.version == v))
-        step_s = None
-        if cfg.max_slowdown is not None:
-            # Utilization back to KV tokens at the group's smallest capacity (a version
-            # group's rollouts are alike; the smallest errs towards not packing).
-            cap = float(view.cap[rids].min())
-            step_s = lambda c, n, cap=cap: cost_model.step_latency(view.cost, c * cap, n)  # noqa: E731
+        # Utilization back to KV tokens at the group's smallest capacity (a version group's
+        # rollouts are alike; the smallest errs towards not packing).
+        cap = float(view.cap[rids].min())
+
+        def step_s(c, n, cap=cap):
+            return cost_model.step_latency(view.cost, c * cap, n)
         for s, d in best_fit_consolidation(util[rids], util_prev[rids], n_reqs[rids],
-                                           c_max=cfg.c_max, batch_bound=bound, step_s=step_s,
+                                           c_max=cfg.c_max, batch_bound=bound,
+                                           step_s=None if cfg.max_slowdown is None else step_s,
                                            max_slowdown=cfg.max_slowdown or 0.0):
             src, dst = int(rids[s]), int(rids[d])
             idx = view.members(src)

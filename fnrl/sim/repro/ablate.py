@@ -13,13 +13,14 @@ and spread over seeds, its change against full fnrl (the median of the per-seed 
 and the counts that say why (interrupts, migrations, repacks, preemptions, staleness).
 
 A variant whose coordinator config equals full fnrl's (say, the sampler off on a setup
-whose fnrl run already samples as the protocol does) is not run again: its row repeats fnrl's, marked "same
-config". Importing this module registers no setup.
+whose fnrl run already samples as the protocol does) is not run again: its row repeats
+fnrl's, marked "same config". Importing this module registers no setup.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -34,6 +35,7 @@ from fnrl.sim.repro import SETUPS
 
 METRIC = "trained_seq_tokens_per_s"
 COUNTS = ("interrupted", "migrated", "repacks", "preemptions", "pulls")
+SHARES = ("staleness_mean", "rollout_idle_frac", "trainer_idle_frac")
 
 OFF = {
     "repack": "Laminar's repack of long tails",
@@ -83,8 +85,10 @@ def describe(variant: str) -> str:
     return OFF.get(variant, "")
 
 
+@functools.cache
 def coordinator(cfg: SimConfig):
-    """The CycleConfig the simulation of `cfg` runs (its cost model included)."""
+    """The CycleConfig the simulation of `cfg` runs (its cost model included); cached, as
+    `variants` and `ablate` both compare each variant's with full fnrl's."""
     return plan_for(cfg, layout(cfg).decode).cycle
 
 
@@ -142,10 +146,8 @@ def rows(summaries: dict[str, dict[int, dict]], same: dict[str, bool]) -> list[d
                     "same_config": same[label], "median": statistics.median(vals),
                     "min": min(vals), "max": max(vals), "per_seed": vals,
                     "delta": statistics.median(deltas),
-                    **{k: statistics.median(runs[s][k] for s in seeds) for k in COUNTS},
-                    "staleness_mean": statistics.median(runs[s]["staleness_mean"] for s in seeds),
-                    "rollout_idle_frac": statistics.median(runs[s]["rollout_idle_frac"] for s in seeds),
-                    "trainer_idle_frac": statistics.median(runs[s]["trainer_idle_frac"] for s in seeds)})
+                    **{k: statistics.median(runs[s][k] for s in seeds)
+                       for k in COUNTS + SHARES}})
     return out
 
 
