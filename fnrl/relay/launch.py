@@ -16,9 +16,11 @@ from fnrl.relay.role import segment_prefix
 from fnrl.shell import procs
 
 
-def relay_argv(address: str, name: str, cfg: RelayConfig | None = None) -> list[str]:
-    """The command line of one relay role process."""
-    argv = [sys.executable, "-m", "fnrl.relay.role", "--address", address, "--name", name]
+def relay_argv(address: str, name: str, cfg: RelayConfig | None = None, *,
+               parent_pid: int = 0) -> list[str]:
+    """The command line of one relay role process (`parent_pid`: `RelayArgs.parent_pid`)."""
+    argv = [sys.executable, "-m", "fnrl.relay.role", "--address", address, "--name", name,
+            "--parent-pid", str(parent_pid)]
     for field in dataclasses.fields(RelayConfig):
         value = getattr(cfg or RelayConfig(), field.name)
         flag = "--cfg." + field.name.replace("_", "-")
@@ -35,13 +37,15 @@ def launch_relay(address: str, name: str, log_path: str | os.PathLike,
 
     It stays in its parent's session and is not tied to the spawning thread's life:
     the tier starts relays from short-lived threads, and `stop_relay` (or the job's
-    `Cluster`) ends them."""
+    `Cluster`) ends them. If this process dies without doing so (SIGKILL, or a SIGTERM
+    it does not handle), the relay notices within 0.1 s and stops, unlinking its
+    segments (`RelayArgs.parent_pid`)."""
     fnrl_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (fnrl_root, env.get("PYTHONPATH")) if p)
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    return procs.spawn(relay_argv(address, name, cfg), log_path, env=env, own_session=False,
-                       with_parent=False)
+    return procs.spawn(relay_argv(address, name, cfg, parent_pid=os.getpid()), log_path,
+                       env=env, own_session=False, with_parent=False)
 
 
 def wait_relay_ready(address: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> dict:

@@ -78,6 +78,11 @@ class RelayArgs:
     name: str
     """Relay name; part of its segment names, so relays on one host must differ."""
     cfg: RelayConfig = RelayConfig()
+    parent_pid: int = 0
+    """Stop (unlinking every segment) once this process is no longer the relay's parent,
+    e.g. killed with SIGKILL; 0: never. `launch_relay` passes its own pid, so a relay
+    started from any thread of a process that dies without stopping it does not outlive
+    it (PR_SET_PDEATHSIG follows the spawning thread, not the process)."""
 
     def __post_init__(self):
         if not _NAME_RE.match(self.name):
@@ -512,7 +517,11 @@ async def _serve(args: RelayArgs) -> None:
         sock.bind(args.address)
         log.info("relay %s (pid %d) listening on %s", args.name, relay.pid, args.address)
         while not stopping.is_set():
-            # Short polls so a signal is noticed quickly.
+            # Short polls so a signal, or the parent's death, is noticed quickly.
+            if args.parent_pid and os.getppid() != args.parent_pid:
+                log.warning("relay %s: parent %d is gone; stopping", args.name,
+                            args.parent_pid)
+                break
             if not await sock.poll(100, zmq.POLLIN):
                 continue
             frames = await sock.recv_multipart(copy=False)

@@ -204,3 +204,61 @@ def test_a_publisher_stopped_mid_copy_hands_nothing_over(relay, monkeypatch):
         assert_bit_exact(store.open_version(client.latest()), weights(1))
         client.publish(3, weights(3), wait="visible")
         assert_bit_exact(store.open_version(client.latest()), weights(3))
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a reparented process is reaped by whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_relay_stops_when_the_process_that_launched_it_is_killed(tmp_path):
+    """A process that launched a relay and dies without stopping it (SIGKILL) leaves
+    neither the relay nor its segments behind (`RelayArgs.parent_pid`)."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from fnrl.relay.launch import remove_segments
+    from fnrl.relay.role import segment_prefix
+    from fnrl.shell import auth
+    from fnrl.shell.net import free_port
+
+    name, address = f"t{uuid.uuid4().hex[:10]}", f"tcp://127.0.0.1:{free_port()}"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from fnrl.relay.launch import launch_relay, wait_relay_ready\n"
+         "p = launch_relay(sys.argv[1], sys.argv[2], sys.argv[3])\n"
+         "wait_relay_ready(sys.argv[1], p)\n"
+         "print(p.pid, flush=True)\n"
+         "time.sleep(600)\n",
+         address, name, str(tmp_path / "relay.log")],
+        stdout=subprocess.PIPE, text=True, env=auth.with_secret(None))   # this run's secret
+    pid = None
+    try:
+        pid = int(launcher.stdout.readline())
+        with RelayClient(address, timeout_s=5) as client:
+            client.publish(1, weights(1))
+        mine = f"{segment_prefix(name)}{pid}-"
+        assert any(p.name.startswith(mine) for p in store.SHM_DIR.iterdir())
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while _running(pid):   # reparented: not ours to wait on
+            assert time.monotonic() < deadline, "relay outlived its killed launcher"
+            time.sleep(0.05)
+        assert not any(p.name.startswith(mine) for p in store.SHM_DIR.iterdir())
+        assert f"parent {launcher.pid} is gone" in (tmp_path / "relay.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+        if pid is not None:
+            remove_segments(name, pid)
