@@ -126,6 +126,9 @@ class ClusterSnapshot:
       inst_kv_prev_R       the same at the previous snapshot (Laminar's C_prev)
       inst_kv_capacity_R   KV budget M, in tokens
       inst_num_complete_R  trajectories completed on it since its last Pull
+      inst_max_seqs_R      the engine's cap on running sequences (vLLM's max_num_seqs):
+                           beyond it a placed trajectory waits, however much KV is free;
+                           None: no cap
     Per tracked, unfinished trajectory n (arrays of length N), in the trajectory
     server (TS) or on an instance:
       traj_id_N, traj_gid_N
@@ -155,6 +158,7 @@ class ClusterSnapshot:
     rewarded_gids: tuple[int, ...] = ()
     dropped_gids: tuple[int, ...] = ()
     skipped_steps: int = 0
+    inst_max_seqs_R: np.ndarray | None = None
 
     @property
     def num_rollouts(self) -> int:

@@ -201,7 +201,8 @@ class Controller:
             inst_kv_capacity_R=[0.0 if r.down else r.kv_capacity for r in rollouts],
             inst_num_complete_R=[r.complete for r in rollouts],
             waiting_counts=[r.waiting for r in rollouts], rewarded_gids=rewarded,
-            dropped_gids=dropped)
+            dropped_gids=dropped,
+            inst_max_seqs_R=[self.cfg.rollout.max_num_seqs] * len(rollouts))
         snap = dataclasses.replace(snap, skipped_steps=b.skipped_steps)
         b.skipped_steps = 0
         placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(rollouts))

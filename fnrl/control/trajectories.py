@@ -127,7 +127,7 @@ class TrajectoryTable:
     def snapshot(self, *, now_s: float, ps_version: int, trainer_idle: bool,
                  inst_version_R, inst_kv_prev_R, inst_kv_capacity_R, inst_num_complete_R,
                  waiting_counts: list[int], rewarded_gids: tuple[int, ...] = (),
-                 dropped_gids: tuple[int, ...] = ()) -> ClusterSnapshot:
+                 dropped_gids: tuple[int, ...] = (), inst_max_seqs_R=None) -> ClusterSnapshot:
         """The columnar view the coordinator reads. Changes nothing.
 
         KV in use is the context of every placed trajectory that is not waiting:
@@ -157,4 +157,6 @@ class TrajectoryTable:
             traj_id_N=np.fromiter((t.tid for t in live), np.int64, n),
             traj_gid_N=np.fromiter((t.gid for t in live), np.int64, n),
             traj_inst_N=inst, traj_waiting_N=waiting, traj_len_N=length,
-            rewarded_gids=tuple(rewarded_gids), dropped_gids=tuple(dropped_gids))
+            rewarded_gids=tuple(rewarded_gids), dropped_gids=tuple(dropped_gids),
+            inst_max_seqs_R=None if inst_max_seqs_R is None
+            else np.asarray(inst_max_seqs_R, np.int64))

@@ -6,8 +6,9 @@ and the three design considerations survive. We use the form the digest reconstr
 
     S_w = (|R_w| + |W_w|) / C_w · (L_w / L̄)
 
-with C_w = M_w / (k5 · ℓ̄) the KV-limited stable concurrency (the KV budget over the
-mean context of the trajectories in flight) and 1/L_w the service rate, L_w being the
+with C_w = min(M_w / (k5 · ℓ̄), max_num_seqs) the stable concurrency (the KV budget
+over the mean context of the trajectories in flight, capped by the engine's batch limit,
+as in OrchestrRL's §4.1 model) and 1/L_w the service rate, L_w being the
 cost model's decode-step latency (StaleFlow App. B). Gap: the paper measures μ_w; we use
 the cost model, so one model serves routing, migration, repack and balancing, and an idle
 rollout still has a finite rate.
@@ -23,10 +24,17 @@ from fnrl.policy.routing import WorkingView
 from fnrl.types import Migrate
 
 
-def congestion_scores(view: WorkingView) -> np.ndarray:
+def stable_concurrency(view: WorkingView) -> np.ndarray:
+    """C_w per rollout: how many of the trajectories in flight its KV holds at once, at
+    most its engine's sequence cap, at least one."""
     placed = view.inst >= 0
     mean_len = float(view.length[placed].mean()) if placed.any() else 1.0
-    concurrency = np.maximum(view.cap / (view.cost.k5 * max(mean_len, 1.0)), 1.0)
+    kv_bound = view.cap / (view.cost.k5 * max(mean_len, 1.0))
+    return np.maximum(np.minimum(kv_bound, view.max_seqs), 1.0)
+
+
+def congestion_scores(view: WorkingView) -> np.ndarray:
+    concurrency = stable_concurrency(view)
     latency = cost_model.step_latency(view.cost, view.kv, view.n_run)
     return (view.n_run + view.n_wait) / concurrency * (latency / latency.mean())
 
@@ -40,9 +48,7 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
     """
     if view.R < 2 or cfg.max_moves == 0:
         return []
-    placed = view.inst >= 0
-    mean_len = float(view.length[placed].mean()) if placed.any() else 1.0
-    concurrency = np.maximum(view.cap / (view.cost.k5 * max(mean_len, 1.0)), 1.0)
+    concurrency = stable_concurrency(view)
     mean_latency = float(cost_model.step_latency(view.cost, view.kv, view.n_run).mean())
     score = congestion_scores(view)
     moves: dict[tuple[int, int], list[int]] = {}
@@ -60,10 +66,12 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
         idx = view.members(src)
         idx = idx[view.waiting[idx]]
         idx = idx[np.argsort(view.length[idx], kind="stable")]     # short context first
-        # Feasibility: the request runs at once on dst (its KV fits and nothing waits
-        # there), so admitting it does not cut dst's stable concurrency.
+        # Feasibility: the request runs at once on dst (its KV fits, the batch is under
+        # the sequence cap and nothing waits there), so admitting it does not cut dst's
+        # stable concurrency.
         room = view.cap[dst] - view.kv[dst]
-        fits = idx[view.cost.k5 * view.length[idx] <= room] if view.n_wait[dst] == 0 else idx[:0]
+        open_ = view.n_wait[dst] == 0 and view.n_run[dst] < view.max_seqs[dst]
+        fits = idx[view.cost.k5 * view.length[idx] <= room] if open_ else idx[:0]
         if fits.size == 0:
             break
         i = int(fits[0])

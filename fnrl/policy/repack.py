@@ -81,11 +81,14 @@ def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
         # Utilization back to KV tokens at the group's smallest capacity (a version group's
         # rollouts are alike; the smallest errs towards not packing).
         cap = float(view.cap[rids].min())
+        # B never above the engine's sequence cap: a pack beyond it would queue.
+        seq_cap = float(view.max_seqs[rids].min())
+        group_bound = bound if not np.isfinite(seq_cap) else min(bound, int(seq_cap))
 
         def step_s(c, n, cap=cap):
             return cost_model.step_latency(view.cost, c * cap, n)
         for s, d in best_fit_consolidation(util[rids], util_prev[rids], n_reqs[rids],
-                                           c_max=cfg.c_max, batch_bound=bound,
+                                           c_max=cfg.c_max, batch_bound=group_bound,
                                            step_s=None if cfg.max_slowdown is None else step_s,
                                            max_slowdown=cfg.max_slowdown or 0.0):
             src, dst = int(rids[s]), int(rids[d])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -33,12 +33,30 @@ from fnrl.types import Abort, ClusterSnapshot, Interrupt, Migrate, Pull, Route
 # --- snapshot validation (§5.2) ---------------------------------------------------------
 
 
+GONE = -2  # traj_inst value for a trajectory aborted within this cycle
+
+
+def _none() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class SpeculativeState:
-    """P: per rollout, the version and trajectory count every issued command implies."""
+    """P: per rollout, the version and trajectory count every issued command implies;
+    and where each trajectory the last valid cycle moved must be seen (`expect_tid_M`
+    at `expect_at_M`: a rollout, -1 for the trajectory server, GONE when aborted).
+
+    Gap (ours): Eq. 1 compares counts only, and commands of one cycle can cancel in a
+    count: an Abort (or Interrupt) and a Route on the same rollout leave it unchanged,
+    so a snapshot taken before either lands passes Eq. 1 and the next cycle routes the
+    same trajectory again (a double Route, found by tests/policy/test_cycle.py's random
+    schedules). The expected placements close that: a snapshot is valid only once every
+    moved trajectory is where its last command put it, or has finished."""
 
     version_R: np.ndarray
     accum_R: np.ndarray
+    expect_tid_M: np.ndarray = field(default_factory=_none)
+    expect_at_M: np.ndarray = field(default_factory=_none)
 
     @staticmethod
     def initial(inst_version_R: Sequence[int]) -> "SpeculativeState":
@@ -60,33 +78,51 @@ def observed_counts(snap: ClusterSnapshot) -> np.ndarray:
 
 
 def snapshot_is_valid(p: SpeculativeState, snap: ClusterSnapshot) -> bool:
-    """Eq. 1: every rollout's version and trajectory count match P."""
-    return (len(p.version_R) == snap.num_rollouts
+    """Eq. 1: every rollout's version and trajectory count match P; and every trajectory
+    P expects somewhere is there, or no longer tracked (finished or aborted)."""
+    if not (len(p.version_R) == snap.num_rollouts
             and np.array_equal(p.version_R, snap.inst_version_R)
-            and np.array_equal(p.accum_R, observed_counts(snap)))
+            and np.array_equal(p.accum_R, observed_counts(snap))):
+        return False
+    ids = np.asarray(snap.traj_id_N, np.int64)
+    if p.expect_tid_M.size == 0 or ids.size == 0:
+        return True
+    order = np.argsort(ids, kind="stable")
+    pos = order[np.minimum(np.searchsorted(ids[order], p.expect_tid_M), ids.size - 1)]
+    tracked = ids[pos] == p.expect_tid_M
+    seen_at = np.asarray(snap.traj_inst_N, np.int64)[pos]
+    return bool(np.all(~tracked | (seen_at == p.expect_at_M)))
 
 
 def apply_commands(p: SpeculativeState, commands: Sequence, ps_version: int) -> SpeculativeState:
-    """Table 1: the effect of issued commands on P."""
+    """Table 1: the effect of issued commands on P, and where each trajectory they move
+    must be seen (the last command naming it wins). Called on a valid snapshot, whose
+    earlier expectations are therefore met: only these commands' are kept."""
     version, accum = p.version_R.copy(), p.accum_R.copy()
+    expect: dict[int, int] = {}
     for c in commands:
         if isinstance(c, Pull):
             version[c.rid], accum[c.rid] = ps_version, 0
         elif isinstance(c, Route):
             accum[c.rid] += len(c.tids)
+            expect.update(dict.fromkeys(c.tids, c.rid))
         elif isinstance(c, Interrupt):
             accum[c.rid] -= len(c.tids)
-        elif isinstance(c, Abort) and c.rid is not None:
-            accum[c.rid] -= len(c.tids)
+            expect.update(dict.fromkeys(c.tids, -1))
+        elif isinstance(c, Abort):
+            if c.rid is not None:
+                accum[c.rid] -= len(c.tids)
+            expect.update(dict.fromkeys(c.tids, GONE))
         elif isinstance(c, Migrate):
             accum[c.src] -= len(c.tids)
             accum[c.dst] += len(c.tids)
-    return SpeculativeState(version, accum)
+            expect.update(dict.fromkeys(c.tids, c.dst))
+    return SpeculativeState(version, accum, np.fromiter(expect.keys(), np.int64, len(expect)),
+                            np.fromiter(expect.values(), np.int64, len(expect)))
 
 
 # --- the working view ---------------------------------------------------------------------
 
-GONE = -2  # traj_inst value for a trajectory aborted within this cycle
 
 
 class WorkingView:
@@ -99,6 +135,10 @@ class WorkingView:
         self.kv = np.asarray(snap.inst_kv_used_R, np.float64).copy()
         self.kv_prev = np.asarray(snap.inst_kv_prev_R, np.float64)
         self.cap = np.asarray(snap.inst_kv_capacity_R, np.float64)
+        # The engine's sequence cap: a trajectory placed on a full batch waits, as one
+        # whose KV does not fit does (inf: no cap).
+        self.max_seqs = (np.full(self.R, np.inf) if snap.inst_max_seqs_R is None
+                         else np.asarray(snap.inst_max_seqs_R, np.float64))
         self.tid = np.asarray(snap.traj_id_N, np.int64)
         self.gid = np.asarray(snap.traj_gid_N, np.int64)
         self.length = np.asarray(snap.traj_len_N, np.int64)
@@ -146,16 +186,18 @@ class WorkingView:
         self.inst[idx] = GONE
 
     def place(self, idx: Sequence[int], dst: int) -> None:
-        """Route or migrate onto dst; each one runs if its KV fits and none waits (Eq. 3)."""
+        """Route or migrate onto dst; each one runs if its KV fits, the batch is under
+        the engine's sequence cap and none waits (Eq. 3)."""
         idx = np.asarray(idx, np.int64)
         moving = idx[self.inst[idx] >= 0]
         if moving.size:
             self._leave(moving)
         kv, cap, k5 = float(self.kv[dst]), float(self.cap[dst]), self.cost.k5
         n_run, n_wait = float(self.n_run[dst]), float(self.n_wait[dst])
+        max_seqs = float(self.max_seqs[dst])
         waits = []
         for length in self.length[idx].tolist():
-            if n_wait == 0 and kv + k5 * length <= cap:
+            if n_wait == 0 and n_run < max_seqs and kv + k5 * length <= cap:
                 kv, n_run = kv + k5 * length, n_run + 1
                 waits.append(False)
             else:
@@ -225,6 +267,12 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
     exact lengths. The threshold μ·ΔT_ideal is taken at the same rounded length, so an
     idle rollout scores exactly ΔT_ideal and μ = 1 still admits to idle rollouts.
 
+    A rollout whose batch is at the engine's sequence cap (`view.max_seqs`) scores no
+    gain, as one whose KV is full does: Eq. 2's T_i(S) holds for the batch the engine
+    runs, and one more trajectory there would wait. Gap (ours): StaleFlow's cost model
+    has no such cap; without it routing over-fills instances whose roofline batch
+    k2/k3 exceeds max_num_seqs (docs/simulation.md, LlamaRL).
+
     `policy="fewest"` (§6.5's vanilla routing, `RoutingConfig.policy`) scores a rollout
     by minus its trajectory count instead of its gain, takes the best admissible one over
     every version group, and never withholds; queue order and the protocol's checks are
@@ -261,12 +309,13 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
     group_of = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(ver_s)])).tolist()
     kv, n = view.kv[inst_order].copy(), view.n_run[inst_order].copy()
     n_wait, cap = view.n_wait[inst_order].copy(), view.cap[inst_order]
+    max_seqs = view.max_seqs[inst_order]
     t0 = cost_model.throughput(cost, kv, n)
     k1, k2, k3, k4, k5 = cost.k1, cost.k2, cost.k3, cost.k4, cost.k5
     # Eq. 3 split into the parts that do not depend on the length, so a gain pass is five
     # numpy operations: ΔT = (n+1) / (base + k1·k5·l) − T0 where the KV still has room.
     base = k1 * kv + np.maximum(k2, k3 * (n + 1)) + k4
-    room = np.where(n_wait == 0, cap - kv, -np.inf)
+    room = np.where((n_wait == 0) & (n < max_seqs), cap - kv, -np.inf)
     admissible = [reserve_slot(empties, staleness, v) is not None for v in group_v]
     new_v: dict[int, int] = {}
     gain, gain_len = None, None
@@ -317,7 +366,7 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
         routes.setdefault(r, []).append(i)
         # update_snapshot (Eq. 3) on the chosen rollout only, in plain floats.
         c_kv, c_n, c_w = float(kv[chosen]), float(n[chosen]), float(n_wait[chosen])
-        runs = c_w == 0 and c_kv + k5 * length <= cap[chosen]
+        runs = c_w == 0 and c_n < max_seqs[chosen] and c_kv + k5 * length <= cap[chosen]
         waits.setdefault(r, []).append(not runs)
         if runs:
             c_kv, c_n = c_kv + k5 * length, c_n + 1
@@ -328,12 +377,13 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
         c_t0 = c_n / (k1 * c_kv + max(k2, k3 * c_n) + k4)
         t0[chosen] = c_t0
         base[chosen] = k1 * c_kv + max(k2, k3 * (c_n + 1)) + k4
-        room[chosen] = cap[chosen] - c_kv if c_w == 0 else -np.inf
+        open_ = c_w == 0 and c_n < max_seqs[chosen]
+        room[chosen] = cap[chosen] - c_kv if open_ else -np.inf
         kv1 = c_kv + k5 * q
         new_gain = 0.0
         if fewest:
             new_gain = -(c_n + c_w)
-        elif kv1 <= cap[chosen] and c_w == 0:
+        elif kv1 <= cap[chosen] and open_:
             new_gain = (c_n + 1) / (k1 * kv1 + max(k2, k3 * (c_n + 1)) + k4) - c_t0
         gain[chosen] = new_gain
         gi = group_of[chosen]

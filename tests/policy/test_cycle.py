@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from hypothesis import given, settings, strategies as hst
+from hypothesis import example, given, settings, strategies as hst
 
 from fnrl.config import BalanceConfig, CostModel, RepackConfig, RoutingConfig
 from fnrl.policy import staleness as st
@@ -81,6 +81,12 @@ configs = hst.builds(
 @settings(max_examples=60, deadline=None)
 @given(cfg=configs, R=hst.integers(1, 3), G=hst.integers(1, 3), evs=events,
        seed=hst.integers(0, 2**16))
+# Found by this test: an Abort and a Route that cancel in Eq. 1's counts, neither landed,
+# passed validation, and the next cycle routed the same trajectory again.
+@example(cfg=CycleConfig(staleness=st.StalenessConfig(eta=0, batch_size=1), cost=COST,
+                         routing=RoutingConfig(sync="lazy", migrate=False, phi_wait=1)),
+         R=1, G=1, evs=[("cycle", False), ("cycle", False), ("drop", 0), ("cycle", True),
+                        ("cycle", False)], seed=0)
 def test_random_schedules_keep_the_bound_and_lose_nothing(cfg, R, G, evs, seed):
     run_schedule(cfg, R, G, evs, seed)
 

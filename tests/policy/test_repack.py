@@ -1,5 +1,7 @@
 """Laminar's Best-Fit consolidation (seed 000 §5, Alg. 1)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,14 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
     cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
     assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
+    # B is at most the engine's sequence cap: 3 trajectories do not pack under a cap of 2.
+    capped = dataclasses.replace(snap, inst_max_seqs_R=np.array([8, 2, 8]))
+    assert plan_repack(WorkingView(capped, {1: 0, 2: 0, 3: 1}, CostModel()),
+                       RepackConfig(batch_bound=8), ps_version=1) == []
+    capped = dataclasses.replace(snap, inst_max_seqs_R=np.array([8, 3, 8]))
+    assert plan_repack(WorkingView(capped, {1: 0, 2: 0, 3: 1}, CostModel()),
+                       RepackConfig(batch_bound=8), ps_version=1) == [Migrate(0, 1, (1, 2)),
+                                                                      Pull(0)]
 
 
 def test_config_validation():

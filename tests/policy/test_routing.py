@@ -7,10 +7,13 @@ from fnrl.config import CostModel, RoutingConfig
 from fnrl.policy import staleness as st
 from fnrl.policy.routing import (SpeculativeState, WorkingView, apply_commands, plan_migration,
                                  plan_sync, route, snapshot_is_valid)
-from fnrl.types import ClusterSnapshot, Interrupt, Pull, Route
+import dataclasses
+
+from fnrl.types import Abort, ClusterSnapshot, Interrupt, Migrate, Pull, Route
 
 
-def snapshot(*, versions, kv=None, cap=100.0, trajs=(), ps_version=0, complete=None):
+def snapshot(*, versions, kv=None, cap=100.0, trajs=(), ps_version=0, complete=None,
+             max_seqs=None):
     """trajs: (tid, gid, inst, waiting, length) tuples."""
     R = len(versions)
     t = np.array(trajs, dtype=np.int64).reshape(-1, 5)
@@ -21,7 +24,8 @@ def snapshot(*, versions, kv=None, cap=100.0, trajs=(), ps_version=0, complete=N
         inst_kv_prev_R=np.zeros(R), inst_kv_capacity_R=np.full(R, cap),
         inst_num_complete_R=np.zeros(R, np.int64) if complete is None else np.array(complete),
         traj_id_N=t[:, 0], traj_gid_N=t[:, 1], traj_inst_N=t[:, 2],
-        traj_waiting_N=t[:, 3].astype(bool), traj_len_N=t[:, 4])
+        traj_waiting_N=t[:, 3].astype(bool), traj_len_N=t[:, 4],
+        inst_max_seqs_R=None if max_seqs is None else np.array(max_seqs))
 
 
 @pytest.mark.parametrize("mu, expect", [(0.5, 1), (0.1, 0)])
@@ -140,6 +144,49 @@ def test_speculative_state_validation():
     assert snapshot_is_valid(p2, landed)
     p3 = apply_commands(p2, [Interrupt(1, (1,)), Pull(1)], ps_version=1)
     assert p3.version_R.tolist() == [0, 1] and p3.accum_R.tolist() == [0, 0]
+
+
+def test_commands_that_cancel_in_the_counts_still_invalidate():
+    """Eq. 1 alone passes a snapshot in which neither an Abort of trajectory 1 nor a
+    Route of trajectory 2 onto the same rollout has landed (count 1 either way); the
+    next cycle would route 2 a second time. P's expected placements reject it until
+    both land, or the trajectories finish; a Migrate expects its destination."""
+    before = snapshot(versions=[0, 0], trajs=[(1, 1, 0, 0, 5), (2, 2, -1, 0, 5)])
+    p = apply_commands(SpeculativeState.initial([0, 0]), [Route(0, (1,))], ps_version=0)
+    assert snapshot_is_valid(p, before)
+    p = apply_commands(p, [Abort(0, (1,)), Route(0, (2,))], ps_version=0)
+    assert p.accum_R.tolist() == [1, 0]
+    assert not snapshot_is_valid(p, before)
+    half = snapshot(versions=[0, 0], trajs=[(2, 2, 0, 0, 5), (1, 1, 0, 0, 5)])
+    assert not snapshot_is_valid(dataclasses.replace(p, accum_R=np.array([2, 0])), half)
+    assert snapshot_is_valid(p, snapshot(versions=[0, 0], trajs=[(2, 2, 0, 0, 5)]))
+    assert snapshot_is_valid(p, snapshot(versions=[0, 0], trajs=[], complete=[1, 0]))
+    p = apply_commands(p, [Migrate(0, 1, (2,))], ps_version=0)
+    assert not snapshot_is_valid(dataclasses.replace(p, accum_R=np.array([1, 0])),
+                                 snapshot(versions=[0, 0], trajs=[(2, 2, 0, 0, 5)]))
+    assert snapshot_is_valid(p, snapshot(versions=[0, 0], trajs=[(2, 2, 1, 0, 5)]))
+
+
+def test_a_rollout_at_its_sequence_cap_takes_nothing_more():
+    """KV room for 100 tokens, no KV-read cost: the gain of one more trajectory of 10
+    grows with the batch (k2 = 1 dominates), so all four go to rollout 0 (the lowest
+    index). With an engine cap of 2 sequences there, rollout 0 takes two and rollout 1
+    the other two; the loads say none of them waits. Migration's placement (`place`)
+    and the balancer see the same cap."""
+    cost = CostModel(k1=0.0, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(i, i, -1, 0, 10) for i in range(4)]
+    s = st.init_staleness(st.StalenessConfig(eta=0, batch_size=4))
+    free = route(WorkingView(snapshot(versions=[0, 0], trajs=trajs), {}, cost), s,
+                 st.empty_counts(s), 0.3)
+    assert free.routes == {0: [0, 1, 2, 3]}
+    capped = snapshot(versions=[0, 0], trajs=trajs, max_seqs=[2, 8])
+    plan = route(WorkingView(capped, {}, cost), s, st.empty_counts(s), 0.3)
+    assert plan.routes == {0: [0, 1], 1: [2, 3]}
+    assert not any(w for ws in plan.waits.values() for w in ws)
+    assert plan.load[1].tolist() == [2, 2] and plan.load[2].tolist() == [0, 0]
+    view = WorkingView(capped, {}, cost)
+    view.place([0, 1, 2], 0)
+    assert view.waiting[[0, 1, 2]].tolist() == [False, False, True]
 
 
 def test_config_validation():
