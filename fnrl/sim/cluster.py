@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -159,6 +161,27 @@ def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan
                                  total_steps=cfg.steps, eval_every=1 << 40)
 
 
+def stream_schedule(done_s: Sequence[float], free_s: float, now: float, piece_s: float,
+                    k: int) -> tuple[float, float]:
+    """Stream generation's trainer (Laminar Fig. 3c; `ClusterSpec.stream_minibatches`):
+    a batch's groups, in the order they finished (`done_s`), trained as k mini-batches of
+    `piece_s` each. Mini-batch j starts once its groups are done and the trainer is free
+    (`free_s`: the previous step's end, publish included); the last one not before `now`,
+    when the controller hands the whole batch over. Returns (first start, last start).
+
+    Gap (ours): the paper does not say how a step's batch splits; equal shares in
+    finishing order ("early mini-batches on short trajectories"), each costing 1/k of
+    the step, with nothing charged for the extra weight copy it keeps."""
+    done = sorted(done_s)
+    t, first = free_s, None
+    for j in range(k - 1):
+        start = max(t, done[math.ceil((j + 1) * len(done) / k) - 1])
+        first = start if first is None else first
+        t = start + piece_s
+    last = max(t, now)
+    return (last if first is None else first), last
+
+
 class Simulation:
     """One simulated run of `cfg`: `run()` returns the summary; `step_records`,
     `timeline` and `consumed_log` hold what the run directory is written from."""
@@ -180,6 +203,7 @@ class Simulation:
         self.now = 0.0
         self.published = {0: 0.0}             # version -> when the master relay had it
         self.group_left: list[int] = []       # unfinished members per gid
+        self.group_done_s: list[float] = []   # when each gid's last member finished
         self.rewarded: list[int] = []
         self.pull_started: dict[int, float] = {}   # rid -> when its Pull was issued
         self.dirty_inst: set[int] = set()
@@ -287,6 +311,7 @@ class Simulation:
                 self.group_left[gid] -= 1
                 if self.group_left[gid] == 0:
                     self.rewarded.append(gid)
+                    self.group_done_s[gid] = self.now
             for tid in inst.tool_calls:
                 self.call_tool(tid)
             inst.tool_calls.clear()
@@ -373,7 +398,8 @@ class Simulation:
             inst_num_complete_R=np.fromiter((i.complete for i in self.inst), np.int64, R),
             traj_id_N=live, traj_gid_N=tr.gid[live], traj_inst_N=np.where(state == IN_TS, -1, inst_of),
             traj_waiting_N=state == QUEUED, traj_len_N=length,
-            rewarded_gids=tuple(self.rewarded))
+            rewarded_gids=tuple(self.rewarded),
+            inst_max_seqs_R=np.full(R, self.cfg.cluster.max_num_seqs, np.int64))
         self.rewarded = []
         self.kv_prev = kv_used.astype(np.float64)
         if now - self.last_timeline >= self.cfg.timeline_dt_s or not self.timeline:
@@ -470,6 +496,7 @@ class Simulation:
             lengths = group_lengths(w, self.cfg.seed, gid, gid / total)
             self.trajs.add(gid, w.prompt_len, lengths, w.turns)
             self.group_left.append(G)
+            self.group_done_s.append(np.inf)
 
     def pull(self, rid: int) -> None:
         inst, v = self.inst[rid], self.book.trainer_version
@@ -517,20 +544,28 @@ class Simulation:
         responses = tr.gen[members]
         hist_list = [hist.get(k, 0) for k in range(max(hist, default=0) + 1)]
         self.training = {"tokens": int(responses.sum()), "seq_tokens": int(sum(seq_lens)),
-                         "t0": self.now, "train_s": train_s, "staleness_hist": hist_list,
+                         "t0": self.now, "handed": self.now, "train_s": train_s,
+                         "staleness_hist": hist_list,
                          "checked": checked, "worst": worst, "groups": len(cmd.gids),
                          "version": cmd.version, "response_len_mean": float(responses.mean())}
         self.consumed_log.append({"version": cmd.version, "staleness_max": worst,
                                   "checked_tokens": checked})
-        self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.slowdown
+        k = c.stream_minibatches
+        if k > 1:   # the early mini-batches were trained while the batch filled
+            first, last = stream_schedule([self.group_done_s[g] for g in cmd.gids],
+                                          book.last_train_end_s, self.now, train_s / k, k)
+            self.training.update(t0=first, busy_s=train_s + self.lay.publish_s,
+                                 end=last + train_s / k + self.lay.publish_s)
+        else:
+            self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.slowdown
         self.push(self.training["end"], TRAIN, self.train_gen)
 
     def train_done(self) -> bool:
         book, p = self.book, self.training
         self._count_generated()
-        book.time["train_call_s"] += self.now - p["t0"]
+        book.time["train_call_s"] += p.get("busy_s", self.now - p["t0"])
         book.last_train_end_s = self.now
-        self.event("train", p["t0"], version=p["version"])
+        self.event("train", p["t0"], version=p["version"], handed=p["handed"])
         book.trainer_version += 1
         book.steps_done += 1
         book.trained_tokens += p["tokens"]

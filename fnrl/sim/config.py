@@ -45,6 +45,11 @@ class ClusterSpec:
     train_mfu: float = 0.35
     train_step_s: float = 0.0
     """> 0: every train step takes this long (a measured figure) instead of the FLOPs model."""
+    stream_minibatches: int = 1
+    """> 1: stream generation (Laminar Fig. 3c): the trainer trains each step's batch as
+    this many mini-batches, of its groups in the order they finished, each as soon as its
+    groups are done and the previous one is trained, and publishes after the last (the
+    last starts once the whole batch is handed over). 1: the whole batch, once complete."""
     publish_s: float = -1.0
     """>= 0: the trainer's publish stall (measured) instead of the model's."""
     pull_s: float = -1.0
@@ -68,13 +73,18 @@ class ClusterSpec:
               f"must be one of {PLACEMENTS}")
         check(self.weight_sync in WEIGHT_SYNCS, "ClusterSpec", "weight_sync", self.weight_sync,
               f"must be one of {WEIGHT_SYNCS}")
-        for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs"):
+        for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs", "stream_minibatches"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
                      "shared_cores"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")
+        if self.stream_minibatches > 1:
+            check(self.placement == "disaggregated" and self.shared_cores == 0, "ClusterSpec",
+                  "stream_minibatches", self.stream_minibatches,
+                  "needs placement='disaggregated' and shared_cores=0 (the trainer trains "
+                  "early mini-batches while the rollouts generate)")
 
 
 @dataclass(frozen=True, kw_only=True)

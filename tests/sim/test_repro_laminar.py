@@ -52,6 +52,19 @@ def test_table2_placements(model, gpus, train, rollouts_verl, rollouts_laminar, 
     assert laminar.config("laminar", model, gpus).preset == "laminar"
 
 
+@pytest.mark.parametrize("model, gpus, train, rollouts", [
+    ("7b", 256, 40, 108),      # Table 2: 256 = 40 + 216, TP 2
+    ("72b", 1024, 256, 96),    # 1024 = 256 + 768, TP 8
+])
+def test_one_step_and_stream_placements(model, gpus, train, rollouts):
+    for system in ("one_step", "stream"):
+        cfg = laminar.config(system, model, gpus)
+        lay = layout(cfg)
+        assert cfg.preset == "one_step" and cfg.cluster.weight_sync == "nccl"
+        assert not lay.colocated and lay.train_gpus == train and lay.rollouts == rollouts
+        assert cfg.cluster.stream_minibatches == (4 if system == "stream" else 1)
+
+
 def test_claims_over_points():
     pts = (("7b", 16), laminar.HEADLINE)
     m = laminar.METRIC
@@ -65,13 +78,15 @@ def test_claims_over_points():
 
 def test_full_setup_has_all_of_fig11():
     s = SETUPS["laminar"](False)
-    assert len(s.runs) == 15 * 3
-    assert {"verl", "laminar", "fnrl", "fnrl@7b-16", "verl@32b-32"} <= set(s.runs)
+    assert len(s.runs) == 15 * 5
+    assert {"verl", "laminar", "fnrl", "one_step", "stream", "fnrl@7b-16", "verl@32b-32",
+            "stream@72b-64"} <= set(s.runs)
     cfgs = [getattr(r, "cfg", r) for r in s.runs.values()]
     assert all(c.steps == 10 and c.warmup_steps == 5 for c in cfgs)
     assert s.runs["verl"].cluster.placement == "colocated"
     assert s.runs["fnrl"].preset == "fnrl" and s.runs["fnrl@7b-16"].cfg.preset == "fnrl"
-    assert [c.paper for c in s.claims] == [2.56, 5.49, 2.56]
+    assert [c.paper for c in s.claims] == [2.56, 5.49, 1.98, 4.09, 1.93, 4.06, 2.56]
+    assert s.claims[4].pairs[0] == ("laminar@7b-16", "stream@7b-16")
 
 
 def test_quick_run():
@@ -87,3 +102,4 @@ def test_quick_run():
     assert s["laminar"]["pulls"] > 0 and s["verl"]["train_gpus"] == 1024
     table = laminar.points_table(res.summaries, quick=True)
     assert table.count("\n") == 3 and "| 72B | 1024 |" in table
+    assert s["stream"]["staleness_checked_max"] <= 1 and s["one_step"]["pulls"] > 0

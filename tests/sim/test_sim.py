@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fnrl.config import CostModel
-from fnrl.sim.cluster import Simulation, StalenessViolation
+from fnrl.sim.cluster import Simulation, StalenessViolation, stream_schedule
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.costs import DecodeCosts
 from fnrl.sim.engine import Instance, Trajectories
@@ -57,6 +57,49 @@ def test_tiny_cluster_one_step_overlaps_by_hand():
     assert events[-1] == ("train", 5.8, 7.0)
     assert summary["staleness_checked_max"] == 1
     assert summary["train_wall_s"] == pytest.approx(7.0)
+
+
+def test_stream_schedule_by_hand():
+    """Four mini-batches of 1 s over groups that finished at 9, 1, 5, 2 (sorted: 1, 2, 5,
+    9), the batch handed over at 9. A free trainer starts the first at 1, the second at 2,
+    the third at 5 (done at 6), and the last at 9: the step ends at 10, not 13. A trainer
+    busy until 10 starts at 10 and runs them back to back (last at 13). With more
+    mini-batches than groups, each waits for its share's last group."""
+    assert stream_schedule([9, 1, 5, 2], 0.0, 9.0, 1.0, 4) == (1.0, 9.0)
+    assert stream_schedule([9, 1, 5, 2], 10.0, 9.0, 1.0, 4) == (10.0, 13.0)
+    assert stream_schedule([3.0], 0.0, 3.0, 0.5, 2) == (3.0, 3.5)
+
+
+def test_stream_generation_trains_early_minibatches_while_the_batch_fills():
+    """On the one_step toy, where every group finishes at once, streaming changes nothing
+    (the first mini-batch waits for all: 4.6 → 4.7, the second 4.7 → 4.8, publish to 5.8).
+    With lengths that differ, training starts before the batch is handed over, the
+    trainer is busy its train time and publish only, and the bound still holds."""
+    one_step = Simulation(toy_cfg("one_step"), table=TOY)
+    base = one_step.run()
+    cfg = toy_cfg("one_step")
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, stream_minibatches=2))
+    sim = Simulation(cfg, table=TOY)
+    summary = sim.run()
+    events = [(e["event"], round(e["t0"], 9), round(e["t"], 9)) for e in sim.timeline if "event" in e]
+    assert events[0] == ("train", 4.6, 5.8)
+    assert summary["train_wall_s"] == pytest.approx(base["train_wall_s"])
+    spread = dataclasses.replace(cfg, steps=4, workload=dataclasses.replace(
+        cfg.workload, groups_per_step=4, response="lognormal", len_median=6, len_sigma=1.0,
+        len_max=40))
+    plain = dataclasses.replace(spread, cluster=dataclasses.replace(spread.cluster,
+                                                                    stream_minibatches=1))
+    streamed, whole = Simulation(spread, table=TOY), Simulation(plain, table=TOY)
+    s, w = streamed.run(), whole.run()
+    assert s["staleness_checked_max"] <= 1 and w["staleness_checked_max"] <= 1
+    trains = [e for e in streamed.timeline if e.get("event") == "train"]
+    assert all(e["t0"] <= e["handed"] for e in trains)
+    assert any(e["t0"] < e["handed"] - 1e-9 for e in trains)
+    assert all(e["t0"] == e["handed"] for e in whole.timeline if e.get("event") == "train")
+    busy = sum(r["train_step_s"] + 1.0 for r in streamed.step_records)
+    assert s["trainer_idle_frac"] == pytest.approx(1 - busy / s["train_wall_s"], rel=1e-6)
+    with pytest.raises(ValueError, match="stream_minibatches"):
+        ClusterSpec(stream_minibatches=2, placement="colocated")
 
 
 def fnrl_cfg(preset="fnrl", seed=0, eta=-1, steps=6) -> SimConfig:

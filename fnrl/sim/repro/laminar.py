@@ -8,15 +8,20 @@ cluster sizes (Table 2). Fig. 11's bars are not in the text, so the claims are t
 and the maximum of the 15 simulated ratios, against 2.56× and 5.49×; `points_table`
 lists each point.
 
-Each point runs three systems on one workload:
+Each point runs five systems on one workload:
 - `verl`: the `sync` preset colocated on every GPU (Table 2: "colocated allocation which
   uses all the GPUs for train and rollout alternately"), rollout TP 2 for 7B (App. A.3);
+- `one_step`: the `one_step` preset (η = 1, a rollout pulls when it has run dry) with
+  Table 2's One-step Staleness split, verl's rollout TP and GPU-direct (NCCL) weight sync
+  (Fig. 3b: "weights are synced GPU-direct at a global point");
+- `stream`: the same, with the trainer streaming each step's batch in 4 mini-batches
+  (Fig. 3c; Table 3: mini-batch 2,048 of a global 8,192; `ClusterSpec.stream_minibatches`);
 - `laminar`: the `laminar` preset (pull on running dry, repack, η = 4, the largest
   staleness the paper observed, §8.1), disaggregated with Table 2's trainer/rollout
   split, relay weight sync, rollout TP 1 for 7B (App. A.3);
 - `fnrl`: the `fnrl` preset (its own η) on Laminar's placement and weight sync.
-The paper's largest cluster (72B on 1,024 GPUs) keeps the plain labels `verl`,
-`laminar` and `fnrl`; the other points are labelled `SYSTEM@MODEL-GPUS`.
+The paper's largest cluster (72B on 1,024 GPUs) keeps the plain labels (`verl`,
+`laminar`, ...); the other points are labelled `SYSTEM@MODEL-GPUS`.
 
 The metric is the paper's (§8 Metrics): prompt + response tokens of 5 iterations after a
 warm-up (the paper's 10, here 5), over the time between their actor updates
@@ -36,6 +41,9 @@ from fnrl.sim.workload import WorkloadSpec
 
 PAPER_MEAN = 2.56          # §8.1: Laminar over verl, averaged over Fig. 11
 PAPER_MAX = 5.49           # §8.1: "up to 5.49×" (the abstract says 5.48×)
+# §8.1's other baselines: (average, maximum) speed-up of Laminar over each.
+PAPER_OVER = {"one_step": (1.98, 4.09), "stream": (1.93, 4.06)}
+STREAM_MINIBATCHES = 4     # Table 3: training mini-batch 2,048 of a global batch of 8,192
 METRIC = "steady_seq_tokens_per_s"
 # §8 averages 5 iterations after a 10-iteration warm-up; 5 warm-up steps here (the
 # pipeline has filled by then: at 7B on 256 GPUs Laminar's figure after 5 is within 2%
@@ -49,9 +57,16 @@ LAMINAR_SPLIT = {
     "32b": {32: (16, 16), 64: (32, 32), 128: (64, 64), 256: (128, 128), 512: (256, 256)},
     "72b": {64: (32, 32), 128: (64, 64), 256: (128, 128), 512: (320, 192), 1024: (768, 256)},
 }
-ROLLOUT_TP = {"7b": (2, 1), "32b": (4, 4), "72b": (8, 8)}   # App. A.3: (verl, Laminar)
+# Table 2: One-step Staleness's (trainer, rollout) GPUs; Stream Generation's are the same.
+ONE_STEP_SPLIT = {
+    "7b": {16: (8, 8), 32: (8, 24), 64: (16, 48), 128: (32, 96), 256: (40, 216)},
+    "32b": {32: (16, 16), 64: (32, 32), 128: (48, 80), 256: (64, 192), 512: (80, 432)},
+    "72b": {64: (32, 32), 128: (64, 64), 256: (96, 160), 512: (192, 320), 1024: (256, 768)},
+}
+# App. A.3: rollout TP (verl, One-step and Stream; Laminar and fnrl).
+ROLLOUT_TP = {"7b": (2, 1), "32b": (4, 4), "72b": (8, 8)}
 MODEL = {"7b": "qwen2.5-7b", "32b": "qwen2.5-32b", "72b": "qwen2.5-72b"}
-SYSTEMS = ("verl", "laminar", "fnrl")
+SYSTEMS = ("verl", "one_step", "stream", "laminar", "fnrl")
 HEADLINE = ("72b", 1024)   # the paper's largest cluster: the plain labels
 
 ASSUMPTIONS = (
@@ -66,9 +81,13 @@ ASSUMPTIONS = (
     "offload of optimizer state and KV between phases is not modelled (no memory model "
     "for colocation yet), which flatters verl.",
     "Laminar's inherent staleness is bounded at η = 4, the maximum the paper observed.",
+    "One-step and Stream (built by the authors on verl, bound 1): the `one_step` "
+    "coordinator, a rollout pulling once it has run dry, weights by NCCL broadcast. "
+    "Stream trains each step as 4 equal mini-batches in the order groups finished "
+    "(Table 3's 2,048 of 8,192); the extra weight copy it keeps costs nothing here.",
     "Trajectories are single-turn (the math task of Fig. 11); no tool latency.",
     "Decision cycles at least 5 s apart (Laminar's repack period, §5.1).",
-    "5 warm-up iterations where the paper has 10 (§8), to fit 135 runs in the session.",
+    "5 warm-up iterations where the paper has 10 (§8), to fit the 225 runs in a session.",
 )
 
 
@@ -79,12 +98,19 @@ def workload(quick: bool) -> WorkloadSpec:
 
 
 def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimConfig:
-    """`system` ("verl", "laminar" or "fnrl") at one point of Fig. 11."""
+    """`system` (one of SYSTEMS) at one point of Fig. 11."""
     verl_tp, laminar_tp = ROLLOUT_TP[model]
     if system == "verl":
         preset = "sync"
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="colocated",
                               rollout_tp=verl_tp)
+    elif system in ("one_step", "stream"):
+        preset = "one_step"
+        train, rollout = ONE_STEP_SPLIT[model][gpus]
+        assert train + rollout == gpus, (model, gpus)
+        cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="disaggregated",
+                              train_gpus=train, rollout_tp=verl_tp, weight_sync="nccl",
+                              stream_minibatches=STREAM_MINIBATCHES if system == "stream" else 1)
     else:
         preset = system
         train, rollout = LAMINAR_SPLIT[model][gpus]
@@ -117,8 +143,9 @@ def points(quick: bool) -> tuple[tuple[str, int], ...]:
     return tuple((m, g) for m, split in LAMINAR_SPLIT.items() for g in split)
 
 
-def over_points(name: str, system: str, pts, paper: float, how: str = "mean") -> PairsClaim:
-    pairs = tuple((label(system, *p), label("verl", *p)) for p in pts)
+def over_points(name: str, system: str, pts, paper: float, how: str = "mean",
+                baseline: str = "verl") -> PairsClaim:
+    pairs = tuple((label(system, *p), label(baseline, *p)) for p in pts)
     return PairsClaim(name=name, system=pairs[0][0], baseline=pairs[0][1], paper=paper,
                       metric=METRIC, pairs=pairs, how=how)
 
@@ -126,14 +153,17 @@ def over_points(name: str, system: str, pts, paper: float, how: str = "mean") ->
 def points_table(by_seed: dict, quick: bool = False) -> str:
     """Each point's median over seeds (`Result.summaries`: seed -> label -> summary) of
     the throughputs (tokens/s) and of the ratios over verl, as Markdown."""
-    lines = ["| model | GPUs | verl | laminar | fnrl | laminar/verl | fnrl/verl |",
-             "|---|---|---|---|---|---|---|"]
+    ratios = (("laminar", "verl"), ("laminar", "one_step"), ("laminar", "stream"),
+              ("fnrl", "verl"))
+    lines = ["| model | GPUs | " + " | ".join(SYSTEMS) + " | "
+             + " | ".join(f"{a}/{b}" for a, b in ratios) + " |",
+             "|---|---|" + "---|" * (len(SYSTEMS) + len(ratios))]
     for m, g in points(quick):
         tput = {s: [runs[label(s, m, g)][METRIC] for runs in by_seed.values()] for s in SYSTEMS}
-        v, l, f = (statistics.median(tput[s]) for s in SYSTEMS)
-        lam, fn = (statistics.median(a / b for a, b in zip(tput[s], tput["verl"]))
-                   for s in ("laminar", "fnrl"))
-        lines.append(f"| {m.upper()} | {g} | {v:,.0f} | {l:,.0f} | {f:,.0f} | {lam:.2f}× | {fn:.2f}× |")
+        cells = [f"{statistics.median(tput[s]):,.0f}" for s in SYSTEMS]
+        cells += [f"{statistics.median(x / y for x, y in zip(tput[a], tput[b])):.2f}×"
+                  for a, b in ratios]
+        lines.append(f"| {m.upper()} | {g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -145,6 +175,9 @@ def setup(quick: bool) -> Setup:
             else Summarised(config(s, *p, quick=quick)) for p in pts for s in SYSTEMS}
     claims = (over_points("laminar/verl, mean over points", "laminar", pts, PAPER_MEAN),
               over_points("laminar/verl, max over points", "laminar", pts, PAPER_MAX, "max"),
+              *(over_points(f"laminar/{b}, {how} over points", "laminar", pts, paper, how, b)
+                for b, papers in PAPER_OVER.items()
+                for how, paper in zip(("mean", "max"), papers)),
               # Not the paper's: fnrl on Laminar's setup, read against Laminar's figure.
               over_points("fnrl/verl, mean over points", "fnrl", pts, PAPER_MEAN))
     return Setup(
@@ -152,11 +185,14 @@ def setup(quick: bool) -> Setup:
         setup=("Fig. 11 / §8.1: Qwen2.5 7B, 32B and 72B on 16-256, 32-512 and 64-1,024 "
                "H800s (Table 2), GRPO on DAPO-Math-17k, 512 prompts × 16 responses a step, "
                "outputs up to 16K. verl v0.5.0 synchronous and colocated on every GPU; "
+               "One-step Staleness and Stream Generation (the authors' builds on verl, "
+               "bound 1) with Table 2's splits and NCCL weight sync; "
                "Laminar disaggregated with Table 2's trainer/rollout split, relay weight "
                "sync, repack and trajectory-level asynchrony. Throughput: prompt + "
                "response tokens per second over 5 iterations after a 10-iteration warm-up "
                "(here 5). "
-               f"Paper: Laminar averages {PAPER_MEAN}× verl, up to {PAPER_MAX}×."),
+               f"Paper: Laminar averages {PAPER_MEAN}× verl, up to {PAPER_MAX}×; "
+               f"{PAPER_OVER['one_step'][0]}× One-step, {PAPER_OVER['stream'][0]}× Stream."),
         runs=runs, claims=claims, assumptions=ASSUMPTIONS,
         notes=("Fig. 11's per-point ratios are not in the text: only their mean and "
                "maximum are claims; `points_table` lists the simulated points.",))
