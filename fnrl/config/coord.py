@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fnrl.config.base import check
 
-SYNC_MODES = ("lazy", "greedy", "on_idle")
+SYNC_MODES = ("lazy", "greedy", "on_idle", "global")
 ROUTING_POLICIES = ("waterfall", "fewest")
 SAMPLER_NAMES = ("fifo", "oldest_version", "protocol")
 """The keys of fnrl.policy.samplers.SAMPLERS (a test keeps the two equal)."""
@@ -54,8 +54,10 @@ class RoutingConfig:
     with the fewest trajectories, running and waiting, regardless of cost and never
     withheld; ties go to the lowest version). Both keep the staleness protocol's checks."""
     sync: str = "lazy"
-    """"lazy" (Alg. 4), "greedy" (pull whenever behind: §6.5's vanilla sync) or
-    "on_idle" (pull when a rollout has nothing left: Laminar §3)."""
+    """"lazy" (Alg. 4), "greedy" (pull whenever behind: §6.5's vanilla sync),
+    "on_idle" (pull when a rollout has nothing left: Laminar §3) or "global" (verl's
+    global weight sync, Laminar Fig. 3a-d: every rollout pulls at once, when none has
+    anything left, so one that runs dry early waits for the slowest)."""
     migrate: bool = True
     """Alg. 5 on or off (off = §6.5's vanilla migration: only through sync)."""
     gain_resolution: int = 16

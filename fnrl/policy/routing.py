@@ -409,8 +409,13 @@ def plan_sync(view: WorkingView, staleness: StalenessState, empties: Sequence[in
         return []
     if cfg.sync == "greedy":
         return np.flatnonzero(behind).tolist()
+    idle = view.n_run + view.n_wait == 0
     if cfg.sync == "on_idle":
-        return np.flatnonzero(behind & (view.n_run + view.n_wait == 0)).tolist()
+        return np.flatnonzero(behind & idle).tolist()
+    if cfg.sync == "global":
+        # One collective for the whole rollout fleet (verl's NCCL broadcast at a global
+        # point): nothing moves until every rollout has run dry.
+        return np.flatnonzero(behind).tolist() if idle.all() else []
     # Eligible: behind, and no TS trajectory passes check_routable on it (Alg. 4 line 3).
     ts = view.inst == -1
     partial = ts & (view.vtraj >= 0)

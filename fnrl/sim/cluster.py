@@ -113,7 +113,8 @@ def _switch(coord, name: str, on: bool):
     Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), routing the fewest
     trajectories (its vanilla routing), the sampler the
     protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
-    overlapped with training). `enable` takes only the first four (config.ENABLES)."""
+    overlapped with training). `enable` takes the first four and "global_sync"
+    (config.ENABLES): every rollout pulls at once, once all have run dry."""
     routing = coord.routing
     if name == "repack":
         return dataclasses.replace(coord, use_repack=on)
@@ -124,6 +125,8 @@ def _switch(coord, name: str, on: bool):
     if name == "lazy_sync":
         sync = "lazy" if on else ("greedy" if routing.sync == "lazy" else routing.sync)
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
+    if name == "global_sync":   # enable only (config.ENABLES)
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync="global"))
     if name == "routing":
         policy = "waterfall" if on else "fewest"
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, policy=policy))

@@ -10,13 +10,14 @@ from fnrl.sim.workload import WorkloadSpec
 PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
 ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "routing", "sampler", "eta")
-ENABLES = ("repack", "balance", "migration", "lazy_sync")
+ENABLES = ("repack", "balance", "migration", "lazy_sync", "global_sync")
 """What `SimConfig.ablate` switches off (fnrl.sim.cluster.plan_for): Laminar's repack,
 OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
 replaced by its §6.5 "vanilla" sync: pull whenever behind), StaleFlow's waterfall routing
 (Alg. 3, replaced by its §6.5 "vanilla" routing: the fewest trajectories), the sampler
 (the head buffer trained as the protocol filled it) and the looser staleness bound (η
-down to one_step's)."""
+down to one_step's). `SimConfig.enable` takes the first four, and "global_sync": verl's
+global weight sync (`RoutingConfig.sync="global"`) for the verl-built baselines."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,7 +72,7 @@ configs = hst.builds(
         repack=RepackConfig(batch_bound=6, period_s=0.5) if repack else None,
         balance=BalanceConfig(threshold=0.1) if balance else None),
     eta=hst.integers(0, 2), batch=hst.integers(1, 3),
-    sync=hst.sampled_from(["lazy", "greedy", "on_idle"]), migrate=hst.booleans(),
+    sync=hst.sampled_from(["lazy", "greedy", "on_idle", "global"]), migrate=hst.booleans(),
     repack=hst.booleans(), balance=hst.booleans(),
     timeout=hst.sampled_from([None, None, 2.0]),
     sampler=hst.sampled_from(["fifo", "oldest_version"]))

@@ -95,6 +95,11 @@ def test_lazy_sync_only_where_routing_needs_it():
     assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(), 1) == [0]
     assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(sync="greedy"), 1) == [0, 1]
     assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(sync="on_idle"), 1) == [0]
+    # Global sync waits for rollout 1 to run dry too, then pulls both at once.
+    assert plan_sync(view, s, st.empty_counts(s), RoutingConfig(sync="global"), 1) == []
+    drained = WorkingView(snapshot(versions=[0, 0], trajs=[(2, 3, -1, 0, 5)], ps_version=1),
+                          {}, cost)
+    assert plan_sync(drained, s, st.empty_counts(s), RoutingConfig(sync="global"), 1) == [0, 1]
 
 
 def test_migration_cases():

@@ -61,6 +61,7 @@ def test_one_step_and_stream_placements(model, gpus, train, rollouts):
         cfg = laminar.config(system, model, gpus)
         lay = layout(cfg)
         assert cfg.preset == "one_step" and cfg.cluster.weight_sync == "nccl"
+        assert cfg.enable == ("global_sync",)
         assert not lay.colocated and lay.train_gpus == train and lay.rollouts == rollouts
         assert cfg.cluster.stream_minibatches == (4 if system == "stream" else 1)
 

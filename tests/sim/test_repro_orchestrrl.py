@@ -23,11 +23,14 @@ def test_the_setup_has_every_case_and_system():
     assert (to.cluster.rollout_tp, lo.cluster.rollout_tp) == (2, 8)
     assert (to.preset, pr.preset, orch.preset, fn.preset) == ("one_step", "partial_rollout",
                                                               "one_step", "fnrl")
-    assert orch.enable == ("balance",) and to.enable == ()
-    # `enable` switches the balancer on over one_step; `ablate` wins back nothing else.
+    assert orch.enable == ("balance", "global_sync") and to.enable == lo.enable == ("global_sync",)
+    # `enable` switches the balancer on over one_step, and verl's global weight sync for
+    # all three verl-built systems; `ablate` wins back nothing else.
     decode = layout(orch).decode
     assert plan_for(orch, decode).cycle.balance is not None
     assert plan_for(to, decode).cycle.balance is None
+    assert {plan_for(r, decode).cycle.routing.sync for r in (to, lo, orch)} == {"global"}
+    assert plan_for(pr, decode).cycle.routing.sync != "global"
     both = dataclasses.replace(orch, enable=("balance", "repack"), ablate=("migration",))
     cycle = plan_for(both, decode).cycle
     assert cycle.balance is not None and cycle.repack is not None and not cycle.routing.migrate

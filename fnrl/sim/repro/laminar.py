@@ -11,9 +11,9 @@ lists each point.
 Each point runs five systems on one workload:
 - `verl`: the `sync` preset colocated on every GPU (Table 2: "colocated allocation which
   uses all the GPUs for train and rollout alternately"), rollout TP 2 for 7B (App. A.3);
-- `one_step`: the `one_step` preset (η = 1, a rollout pulls when it has run dry) with
-  Table 2's One-step Staleness split, verl's rollout TP and GPU-direct (NCCL) weight sync
-  (Fig. 3b: "weights are synced GPU-direct at a global point");
+- `one_step`: the `one_step` preset (η = 1) with verl's global weight sync (every
+  rollout pulls at once, once all have run dry: Fig. 3b, "weights are synced GPU-direct
+  at a global point"), Table 2's One-step Staleness split, verl's rollout TP, NCCL;
 - `stream`: the same, with the trainer streaming each step's batch in 4 mini-batches
   (Fig. 3c; Table 3: mini-batch 2,048 of a global 8,192; `ClusterSpec.stream_minibatches`);
 - `laminar`: the `laminar` preset (pull on running dry, repack, η = 4, the largest
@@ -82,7 +82,8 @@ ASSUMPTIONS = (
     "for colocation yet), which flatters verl.",
     "Laminar's inherent staleness is bounded at η = 4, the maximum the paper observed.",
     "One-step and Stream (built by the authors on verl, bound 1): the `one_step` "
-    "coordinator, a rollout pulling once it has run dry, weights by NCCL broadcast. "
+    "coordinator with a global weight sync (every rollout pulls at once, once all have "
+    "run dry), weights by NCCL broadcast. "
     "Stream trains each step as 4 equal mini-batches in the order groups finished "
     "(Table 3's 2,048 of 8,192); the extra weight copy it keeps costs nothing here.",
     "Trajectories are single-turn (the math task of Fig. 11); no tool latency.",
@@ -100,6 +101,7 @@ def workload(quick: bool) -> WorkloadSpec:
 def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimConfig:
     """`system` (one of SYSTEMS) at one point of Fig. 11."""
     verl_tp, laminar_tp = ROLLOUT_TP[model]
+    enable: tuple[str, ...] = ()
     if system == "verl":
         preset = "sync"
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="colocated",
@@ -111,6 +113,7 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="disaggregated",
                               train_gpus=train, rollout_tp=verl_tp, weight_sync="nccl",
                               stream_minibatches=STREAM_MINIBATCHES if system == "stream" else 1)
+        enable = ("global_sync",)
     else:
         preset = system
         train, rollout = LAMINAR_SPLIT[model][gpus]
@@ -119,7 +122,8 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
                               train_gpus=train, rollout_tp=laminar_tp, weight_sync="relay")
     warmup, measured = (1, 2) if quick else (WARMUP, MEASURED)
     return SimConfig(preset=preset, gpus=gpus, steps=warmup + measured, warmup_steps=warmup,
-                     cycle_s=5.0, plots=False, cluster=cluster, workload=workload(quick))
+                     enable=enable, cycle_s=5.0, plots=False, cluster=cluster,
+                     workload=workload(quick))
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,11 @@ def setup(quick: bool) -> Setup:
                                                  rollout_tp=tp, tp_comm=True),
                              workload=spec)
 
-        runs[f"verl_to{suffix}"] = sim("one_step", TP_TO)
-        runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO)
+        # verl's one-step pipeline syncs weights at stage boundaries, all rollouts at once.
+        runs[f"verl_to{suffix}"] = sim("one_step", TP_TO, ("global_sync",))
+        runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO, ("global_sync",))
         runs[f"pr{suffix}"] = sim("partial_rollout", TP_TO)
-        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance",))
+        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance", "global_sync"))
         runs[f"fnrl{suffix}"] = sim("fnrl", TP_TO)
         name = f"{model.removeprefix('qwen2.5-').upper()}, {gpus} GPUs, {len_max // 1024}K"
         claims.append(Claim(name=f"OrchestrRL / veRL-TO ({name})", system=f"orchestrrl{suffix}",
@@ -129,6 +130,8 @@ def setup(quick: bool) -> Setup:
             "two a layer, 10 µs each plus bytes over 200 GB/s NVLink at 80%); without them "
             "TP scales perfectly and veRL-LO would beat veRL-TO, the reverse of §6.3.",
             "Training: the FLOPs model at 35% MFU (costs.toml); weights by the relay.",
+            "veRL-TO, veRL-LO and OrchestrRL (one-step, built on verl) sync weights at stage "
+            "boundaries: every rollout pulls at once, once all have run dry (global_sync).",
             "The planner's forecast: 4 past steps of the same workload (their own seed), "
             "ARIMA(0,1,1) with smoothing 0.5 on 128 quantiles; candidates TP 1, 2, 4, 8.",
             "The plan is applied once per run: the simulator's deployment cannot change "

@@ -10,7 +10,8 @@ real coordinator:
   VeRL           `sync`, colocated on all 128 GPUs (§6.1: "rollout and training share
                  the same resources and execute sequentially").
   VeRL-Pipeline  `one_step`, disaggregated: one batch in flight on a one-version-old
-                 model (§6.1), η fixed at 1.
+                 model (§6.1), η fixed at 1, with verl's global weight sync (every
+                 rollout pulls at once, once all have run dry: `enable=("global_sync",)`).
   VeRL-Async     `partial_rollout` at the same η as StaleFlow: the in-flight data is
                  bounded by (η + 1) × batch and every new version interrupts, pulls and
                  resumes (§2.2: strict staleness control, partial rollout only), with
@@ -57,13 +58,15 @@ def workload(quick: bool) -> WorkloadSpec:
 
 
 def config(preset: str, *, eta: int = -1, placement: str = "disaggregated", train_gpus: int = 0,
-           quick: bool = False, ablate: tuple[str, ...] = ()) -> SimConfig:
+           quick: bool = False, ablate: tuple[str, ...] = (),
+           enable: tuple[str, ...] = ()) -> SimConfig:
     """One system on the paper's cluster: Qwen3-30B-A3B on H20s with Table 4's decode."""
     cluster = ClusterSpec(gpu="h20", model="qwen3-30b-a3b", decode="staleflow-qwen3-30b-a3b-h20",
                           placement=placement, rollout_tp=ROLLOUT_TP, train_gpus=train_gpus,
                           weight_sync="relay")
     return SimConfig(preset=preset, gpus=GPUS // 4 if quick else GPUS, steps=3 if quick else STEPS,
-                     eta=eta, ablate=ablate, cycle_s=CYCLE_S, plots=False, cluster=cluster,
+                     eta=eta, ablate=ablate, enable=enable, cycle_s=CYCLE_S, plots=False,
+                     cluster=cluster,
                      workload=workload(quick))
 
 
@@ -86,15 +89,17 @@ def setup(quick: bool = False) -> Setup:
     etas = (1,) if quick else ETAS
     splits: dict[str, dict[int, float]] = {}
 
-    def disaggregated(label: str, preset: str, eta: int = -1, ablate=()) -> SimConfig:
-        cfg = config(preset, eta=eta, train_gpus=QUICK_TRAIN_GPUS, quick=quick, ablate=ablate)
+    def disaggregated(label: str, preset: str, eta: int = -1, ablate=(), enable=()) -> SimConfig:
+        cfg = config(preset, eta=eta, train_gpus=QUICK_TRAIN_GPUS, quick=quick, ablate=ablate,
+                     enable=enable)
         if quick:
             return cfg
         cfg, splits[label] = tune_split(cfg)
         return cfg
 
     runs = {"VeRL": config("sync", placement="colocated", quick=quick),
-            "VeRL-Pipeline": disaggregated("VeRL-Pipeline", "one_step")}
+            "VeRL-Pipeline": disaggregated("VeRL-Pipeline", "one_step",
+                                           enable=("global_sync",))}
     for eta in etas:
         runs[f"VeRL-Async-eta{eta}"] = disaggregated(f"VeRL-Async-eta{eta}", "partial_rollout",
                                                      eta, ablate=("routing",))
