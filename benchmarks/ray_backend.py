@@ -1,7 +1,7 @@
 """The Ray backend beside the local one: start-up time, the trainer's publish stall and
 the rollouts' pull time, side by side in rounds of one invocation.
 
-    python benchmarks/ray_backend.py                 # 4 rounds of 16 steps, 2 rollouts
+    python benchmarks/ray_backend.py                 # 6 rounds of 16 steps, 2 rollouts
     python benchmarks/ray_backend.py --rounds 3 --steps 6
 
 Each round runs the main job (small model, real vLLM, relays, trainer) once per backend,
@@ -70,7 +70,7 @@ def run_once(backend: str, run_dir: Path, steps: int, cache_dir: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=16,
                         help="steps a run; the stall and pull are medians over them")
     parser.add_argument("--seed", type=int, default=0)

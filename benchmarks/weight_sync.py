@@ -1,7 +1,10 @@
 """Weight synchronisation through the relay tier, each figure beside its reference in
 rounds of one run.
 
-    python benchmarks/weight_sync.py [--sizes-mb 10 100 500] [--max-p 4] [--runs 4] [--rounds 3]
+    python benchmarks/weight_sync.py [--sizes-mb 10 100 500] [--max-p 4] [--runs 25] [--rounds 16]
+
+(25 and 16 rounds: fewer gave spreads that a second run's median often fell outside;
+docs/benchmarks.md.)
 
 For each weight size it prints, beside its reference:
   1. the trainer's stall per publish (hand-off to the master relay through shared memory)
@@ -230,9 +233,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 500])
     parser.add_argument("--max-p", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=4,
+    parser.add_argument("--runs", type=int, default=25,
                         help="rounds of stall/pull beside their reference, per size")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=16,
                         help="rounds of T(1..max_p) in varying order, per size")
     parser.add_argument("--fit-p", type=int, nargs="+", default=[1, 2],
                         help="p whose T(p) fit the cost model; it predicts the others")
