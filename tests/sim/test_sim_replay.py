@@ -69,13 +69,18 @@ def test_replay_quick_runs(tmp_path):
     res = reproduce("replay", seeds=(0,), quick=True, out=tmp_path, log=lambda _: None)
     rows = {r["claim"]: r for r in res.rows()}
     assert set(rows) == {"fnrl × sync", "fnrl × sync, own cores", "sync, absolute",
-                         "fnrl, absolute"}
+                         "fnrl, absolute", "fnrl × sync, profiled decode",
+                         "sync, absolute, profiled decode", "fnrl, absolute, profiled decode"}
     assert rows["fnrl × sync"]["paper"] == 1.22 and rows["sync, absolute"]["paper"] == 1.0
     assert all(r["tolerance"] == 0.15 for r in rows.values())
     s = res.summaries[0]
     assert s["sync"]["steps"] == 3 and s["fnrl"]["steps"] == 3
+    # The profiled runs decode with the committed profile's coefficients.
+    profile = costs.load_profiled(str(replay.PROFILE)).cost
+    assert s["sync_profiled"]["cost_model"]["k4"] == pytest.approx(profile.k4)
+    assert s["sync_profiled"]["steps"] == 3
     # Sharing cores only slows the overlapping preset; sync takes turns.
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 4
+    assert len(out["rows"]) == 7
