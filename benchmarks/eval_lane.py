@@ -2,7 +2,7 @@
 dedicated server against evaluation off, in rounds (issue 15: "trainer idle unchanged
 within noise against evaluation off").
 
-    python benchmarks/eval_lane.py --out DIR                   # 4 rounds of both sides
+    python benchmarks/eval_lane.py --out DIR                   # 6 rounds of both sides
     python benchmarks/eval_lane.py --out DIR --only 1          # round 1 only, then
     python benchmarks/eval_lane.py --out DIR --only 2          # round 2; the report covers
                                                                # every round found in DIR
@@ -90,7 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory of the runs (kept for re-reporting)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of both sides, order varying")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of both sides, order varying")
     p.add_argument("--only", type=int, nargs="*", default=None,
                    help="run only these rounds (1-based) of the order; default all")
     p.add_argument("--seed", type=int, default=0, help="seed of the rounds' side order")
