@@ -22,11 +22,11 @@ import numpy as np
 
 from fnrl.control import report
 from fnrl.control.book import Book
-from fnrl.experiments.presets import apply_preset
 from fnrl.policy import schedule
 from fnrl.policy.routing import snapshot_is_valid
 from fnrl.sim import costs
 from fnrl.sim.config import SimConfig
+from fnrl.sim.coordinator import plan_for
 from fnrl.sim.engine import (CLOCK_RESOLUTION_S, GONE, IN_TS, QUEUED, RUNNING, TOOL, Instance,
                              Trajectories)
 from fnrl.sim.workload import group_lengths, tool_latency, turn_ends
@@ -108,36 +108,6 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                   train=costs.TrainParams(**{**table.get("train", {}), "mfu": c.train_mfu}))
 
 
-def _switch(coord, name: str, on: bool):
-    """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off.
-    Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), routing the fewest
-    trajectories (its vanilla routing), the sampler the
-    protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
-    overlapped with training). `enable` takes the first four and "global_sync"
-    (config.ENABLES): every rollout pulls at once, once all have run dry."""
-    routing = coord.routing
-    if name == "repack":
-        return dataclasses.replace(coord, use_repack=on)
-    if name == "balance":
-        return dataclasses.replace(coord, use_balance=on)
-    if name == "migration":
-        return dataclasses.replace(coord, routing=dataclasses.replace(routing, migrate=on))
-    if name == "lazy_sync":
-        sync = "lazy" if on else ("greedy" if routing.sync == "lazy" else routing.sync)
-        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
-    if name == "global_sync":   # enable only (config.ENABLES)
-        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync="global"))
-    if name == "routing":
-        policy = "waterfall" if on else "fewest"
-        return dataclasses.replace(coord, routing=dataclasses.replace(routing, policy=policy))
-    if name == "sampler":
-        return coord if on else dataclasses.replace(coord, sampler="protocol")
-    if name == "eta":
-        return coord if on else dataclasses.replace(
-            coord, eta=min(coord.eta, apply_preset("one_step").coord.eta))
-    raise ValueError(f"unknown mechanism {name!r}")
-
-
 def steady_throughput(records: list[dict], warmup: int) -> float:
     """Trained prompt + response tokens per second after `warmup` steps: the tokens of
     records[warmup:] over the time from the end of step `warmup` (0: the start) to the
@@ -146,22 +116,6 @@ def steady_throughput(records: list[dict], warmup: int) -> float:
         return 0.0
     start = records[warmup - 1]["wall_s"] if warmup > 0 else 0.0
     return sum(r["seq_tokens"] for r in records[warmup:]) / max(records[-1]["wall_s"] - start, 1e-9)
-
-
-def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:
-    """The preset's coordinator, with the engine's cost model (as the real job loads the
-    profiled one into `coord.cost`)."""
-    run = apply_preset(cfg.preset)
-    coord = dataclasses.replace(run.coord, cost=decode.cost,
-                                **({"eta": cfg.eta} if cfg.eta >= 0 else {}))
-    for name, on in [*((n, True) for n in cfg.enable), *((n, False) for n in cfg.ablate)]:
-        coord = _switch(coord, name, on)
-    if cfg.cluster.placement == "colocated" and coord.eta != 0:
-        raise ValueError(f"invalid config cluster.placement='colocated' with η={coord.eta}: "
-                         "colocated roles take turns, which only η = 0 guarantees")
-    g = cfg.workload.groups_per_step
-    return schedule.SchedulePlan(cycle=schedule.cycle_config(coord, batch_groups=g, prompt_groups=g),
-                                 total_steps=cfg.steps, eval_every=1 << 40)
 
 
 def stream_schedule(done_s: Sequence[float], free_s: float, now: float, piece_s: float,

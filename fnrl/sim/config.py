@@ -11,7 +11,7 @@ PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
 ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "routing", "sampler", "eta")
 ENABLES = ("repack", "balance", "migration", "lazy_sync", "global_sync")
-"""What `SimConfig.ablate` switches off (fnrl.sim.cluster.plan_for): Laminar's repack,
+"""What `SimConfig.ablate` switches off (fnrl.sim.coordinator.plan_for): Laminar's repack,
 OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
 replaced by its §6.5 "vanilla" sync: pull whenever behind), StaleFlow's waterfall routing
 (Alg. 3, replaced by its §6.5 "vanilla" routing: the fewest trajectories), the sampler
@@ -74,7 +74,8 @@ class ClusterSpec:
               f"must be one of {PLACEMENTS}")
         check(self.weight_sync in WEIGHT_SYNCS, "ClusterSpec", "weight_sync", self.weight_sync,
               f"must be one of {WEIGHT_SYNCS}")
-        for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs", "stream_minibatches"):
+        for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs",
+                     "stream_minibatches"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
                      "shared_cores"):

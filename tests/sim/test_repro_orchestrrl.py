@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from fnrl.sim import costs
-from fnrl.sim.cluster import layout, plan_for
+from fnrl.sim.cluster import layout
+from fnrl.sim.coordinator import plan_for
 from fnrl.sim.repro import SETUPS, reproduce
 from fnrl.sim.repro import orchestrrl
 

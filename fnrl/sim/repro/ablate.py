@@ -5,7 +5,7 @@
 Takes the run labelled "fnrl" of a registered setup (fnrl.sim.repro.SETUPS), runs it
 once per simulation seed as it is, with each of fnrl.sim.config.ABLATIONS switched in
 turn: off where the preset runs it (through `SimConfig.ablate`, which changes the real
-coordinator config in fnrl.sim.cluster.plan_for), on where the preset leaves it out and it
+coordinator config in fnrl.sim.coordinator.plan_for), on where the preset leaves it out and it
 can be (`SimConfig.enable`, config.ENABLES; the row is labelled "+name"), and with all of
 them off. Writes out/SETUP/ablation.{md,json,png}:
 per variant, the seeds' metric (trained prompt + response tokens per second) as the median
@@ -29,7 +29,8 @@ from typing import Callable
 import numpy as np
 
 from fnrl.control.metrics import staleness_histogram
-from fnrl.sim.cluster import Simulation, layout, plan_for
+from fnrl.sim.cluster import Simulation, layout
+from fnrl.sim.coordinator import plan_for
 from fnrl.sim.config import ABLATIONS, ENABLES, SimConfig
 from fnrl.sim.repro import SETUPS
 

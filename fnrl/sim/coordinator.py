@@ -1,0 +1,58 @@
+"""The preset's coordinator as the simulator runs it: the real job's preset
+(fnrl.experiments.presets) with the engine's cost model, and the mechanisms a
+`SimConfig` switches off (`ablate`) or on (`enable`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fnrl.experiments.presets import apply_preset
+from fnrl.policy import schedule
+from fnrl.sim import costs
+from fnrl.sim.config import SimConfig
+
+
+def _switch(coord, name: str, on: bool):
+    """The coordinator with mechanism `name` (config.ABLATIONS) switched on or off.
+    Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), routing the fewest
+    trajectories (its vanilla routing), the sampler the
+    protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
+    overlapped with training). `enable` takes the first four and "global_sync"
+    (config.ENABLES): every rollout pulls at once, once all have run dry."""
+    routing = coord.routing
+    if name == "repack":
+        return dataclasses.replace(coord, use_repack=on)
+    if name == "balance":
+        return dataclasses.replace(coord, use_balance=on)
+    if name == "migration":
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, migrate=on))
+    if name == "lazy_sync":
+        sync = "lazy" if on else ("greedy" if routing.sync == "lazy" else routing.sync)
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
+    if name == "global_sync":   # enable only (config.ENABLES)
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync="global"))
+    if name == "routing":
+        policy = "waterfall" if on else "fewest"
+        return dataclasses.replace(coord, routing=dataclasses.replace(routing, policy=policy))
+    if name == "sampler":
+        return coord if on else dataclasses.replace(coord, sampler="protocol")
+    if name == "eta":
+        return coord if on else dataclasses.replace(
+            coord, eta=min(coord.eta, apply_preset("one_step").coord.eta))
+    raise ValueError(f"unknown mechanism {name!r}")
+
+
+def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:
+    """The preset's coordinator, with the engine's cost model (as the real job loads the
+    profiled one into `coord.cost`)."""
+    run = apply_preset(cfg.preset)
+    coord = dataclasses.replace(run.coord, cost=decode.cost,
+                                **({"eta": cfg.eta} if cfg.eta >= 0 else {}))
+    for name, on in [*((n, True) for n in cfg.enable), *((n, False) for n in cfg.ablate)]:
+        coord = _switch(coord, name, on)
+    if cfg.cluster.placement == "colocated" and coord.eta != 0:
+        raise ValueError(f"invalid config cluster.placement='colocated' with η={coord.eta}: "
+                         "colocated roles take turns, which only η = 0 guarantees")
+    g = cfg.workload.groups_per_step
+    return schedule.SchedulePlan(cycle=schedule.cycle_config(coord, batch_groups=g, prompt_groups=g),
+                                 total_steps=cfg.steps, eval_every=1 << 40)
