@@ -33,8 +33,8 @@ def stable_concurrency(view: WorkingView) -> np.ndarray:
     return np.maximum(np.minimum(kv_bound, view.max_seqs), 1.0)
 
 
-def congestion_scores(view: WorkingView) -> np.ndarray:
-    concurrency = stable_concurrency(view)
+def congestion_scores(view: WorkingView, concurrency: np.ndarray | None = None) -> np.ndarray:
+    concurrency = stable_concurrency(view) if concurrency is None else concurrency
     latency = cost_model.step_latency(view.cost, view.kv, view.n_run)
     return (view.n_run + view.n_wait) / concurrency * (latency / latency.mean())
 
@@ -50,7 +50,7 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
         return []
     concurrency = stable_concurrency(view)
     mean_latency = float(cost_model.step_latency(view.cost, view.kv, view.n_run).mean())
-    score = congestion_scores(view)
+    score = congestion_scores(view, concurrency)
     moves: dict[tuple[int, int], list[int]] = {}
     for _ in range(cfg.max_moves):
         src = int(np.argmax(score))

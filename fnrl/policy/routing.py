@@ -124,7 +124,6 @@ def apply_commands(p: SpeculativeState, commands: Sequence, ps_version: int) -> 
 # --- the working view ---------------------------------------------------------------------
 
 
-
 class WorkingView:
     """A mutable copy of a snapshot for one cycle (Alg. 1's local S)."""
 

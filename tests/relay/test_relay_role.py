@@ -206,15 +206,6 @@ def test_a_publisher_stopped_mid_copy_hands_nothing_over(relay, monkeypatch):
         assert_bit_exact(store.open_version(client.latest()), weights(3))
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a reparented process is reaped by whoever adopted it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_relay_stops_when_the_process_that_launched_it_is_killed(tmp_path):
     """A process that launched a relay and dies without stopping it (SIGKILL) leaves
     neither the relay nor its segments behind (`RelayArgs.parent_pid`)."""
@@ -225,7 +216,7 @@ def test_relay_stops_when_the_process_that_launched_it_is_killed(tmp_path):
 
     from fnrl.relay.launch import remove_segments
     from fnrl.relay.role import segment_prefix
-    from fnrl.shell import auth
+    from fnrl.shell import auth, procs
     from fnrl.shell.net import free_port
 
     name, address = f"t{uuid.uuid4().hex[:10]}", f"tcp://127.0.0.1:{free_port()}"
@@ -249,7 +240,7 @@ def test_relay_stops_when_the_process_that_launched_it_is_killed(tmp_path):
         launcher.kill()
         launcher.wait(10)
         deadline = time.monotonic() + 30
-        while _running(pid):   # reparented: not ours to wait on
+        while not procs.exited(pid):   # reparented: not ours to wait on
             assert time.monotonic() < deadline, "relay outlived its killed launcher"
             time.sleep(0.05)
         assert not any(p.name.startswith(mine) for p in store.SHM_DIR.iterdir())
@@ -258,7 +249,7 @@ def test_relay_stops_when_the_process_that_launched_it_is_killed(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
-        if pid is not None and _running(pid):
+        if pid is not None and not procs.exited(pid):
             os.kill(pid, signal.SIGKILL)
         if pid is not None:
             remove_segments(name, pid)

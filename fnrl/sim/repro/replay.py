@@ -125,19 +125,12 @@ def cost_file(spec: WorkloadSpec) -> str:
 
 
 def profile_line() -> str:
-    """What PROFILE holds, for the assumptions."""
-    if not PROFILE.exists():
-        raise FileNotFoundError(f"{PROFILE} is missing: write it with python -m "
-                                f"fnrl.experiments.profile_cost --out {PROFILE}")
-    p = json.loads(PROFILE.read_text())
-    held = p.get("heldout") or {}
-    return (f"decode step {(p['k2'] + p['k4']) * 1e3:.2f} ms up to {p['crossover']:.0f} "
-            f"sequences, {p['k3'] * 1e3:.3f} ms more a sequence beyond, plus "
-            f"{p['k1'] * 1e6:.3f} µs a KV token (k1..k4 of "
-            f"{PROFILE.name}: vLLM {p['engine']['vllm']}, {p['engine']['cpu_threads']} "
-            f"thread; held-out mean error {held.get('mean_relative_error', float('nan')):.1%}), "
-            f"prefill {p['prefill_s_per_token'] * 1e3:.3f} ms a token, "
-            f"{p['per_request_s'] * 1e3:.2f} ms a request")
+    """What PROFILE holds, for the assumptions (profile_cost's own summary of its fit)."""
+    from fnrl.experiments.profile_cost import summary_line   # its server imports, only here
+
+    record = json.loads(PROFILE.read_text())
+    return (f"{PROFILE.name}, vLLM {record['engine']['vllm']}, "
+            f"{record['engine']['cpu_threads']} thread: {summary_line(record)}")
 
 
 def measured(preset: str):

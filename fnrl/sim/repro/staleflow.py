@@ -66,8 +66,7 @@ def config(preset: str, *, eta: int = -1, placement: str = "disaggregated", trai
                           weight_sync="relay")
     return SimConfig(preset=preset, gpus=GPUS // 4 if quick else GPUS, steps=3 if quick else STEPS,
                      eta=eta, ablate=ablate, enable=enable, cycle_s=CYCLE_S, plots=False,
-                     cluster=cluster,
-                     workload=workload(quick))
+                     cluster=cluster, workload=workload(quick))
 
 
 def tune_split(cfg: SimConfig, choices=TRAIN_GPU_CHOICES) -> tuple[SimConfig, dict[int, float]]:
