@@ -38,7 +38,7 @@ from fnrl.relay.tier import RelayMember, RelayTier
 from fnrl.serving.server import ServerSpec, launch_server, wait_ready
 from fnrl.shell import auth, procs
 from fnrl.shell.files import log_tail, write_atomic
-from fnrl.shell.net import free_port
+from fnrl.shell.net import free_port, port_taken
 from fnrl.shell.procs import reap_leftovers
 from fnrl.shell.wire import RoleError
 
@@ -143,6 +143,8 @@ class Cluster:
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None
         self._server_specs: dict[int, ServerSpec] = {}
+        self._eval_spec: ServerSpec | None = None
+        self._log_start: dict[str, int] = {}
         self._stopping = threading.Event()
         self._stopped: dict[str, RoleProcess] = {}   # by name, what stop() stopped
         self._sampler = threading.Thread(target=self._sample_roles, name="role-sampler",
@@ -331,6 +333,8 @@ class Cluster:
     def _start_server(self, name: str, spec: ServerSpec) -> RoleProcess:
         spec = self.launcher.place_server(name, spec)
         log_path = self.run_dir / "logs" / f"{name}.log"
+        # Where this start's output begins in the (appended) log: what port_taken reads.
+        self._log_start[name] = log_path.stat().st_size if log_path.exists() else 0
         return self._add(RoleProcess(name, self.launcher.launch_server(name, spec, log_path),
                                      log_path, spec.base_url))
 
@@ -340,6 +344,7 @@ class Cluster:
 
     def start_eval_server(self, spec: ServerSpec) -> RoleProcess:
         """The dedicated evaluation server (fnrl.control.eval_lane), named "eval"."""
+        self._eval_spec = spec
         return self._start_server(EVAL_SERVER, spec)
 
     def wait_relay_ready(self, relay: RoleProcess, timeout_s: float = 60.0) -> None:
@@ -348,13 +353,31 @@ class Cluster:
         except RuntimeError as err:
             raise RoleError(f"{err}{log_tail(str(relay.log_path))}") from err
 
-    def wait_servers_ready(self, timeout_s: float) -> None:
-        for role in self.roles:
-            if role.name.startswith("rollout") or role.name == EVAL_SERVER:
+    def wait_servers_ready(self, timeout_s: float, port_retries: int = 3) -> None:
+        """Waits for every server. One that exits before it is ready because its port
+        was taken after `free_port` chose it starts again on a fresh port, up to
+        `port_retries` times; any other failure raises RoleError with its log."""
+        for name in [r.name for r in self.roles
+                     if r.name.startswith("rollout") or r.name == EVAL_SERVER]:
+            for attempt in range(port_retries + 1):
+                role = self.role(name)
                 try:
                     wait_ready(role.address, role.proc, timeout_s)
+                    break
                 except RuntimeError as err:
-                    raise RoleError(f"{role.name}: {err}") from err
+                    if not (attempt < port_retries and role.proc.poll() is not None
+                            and port_taken(role.log_path, self._log_start.get(name, 0))):
+                        raise RoleError(f"{name}: {err}") from err
+                    print(f"fnrl: {name}: {role.address} was taken before the server bound "
+                          "it; starting it again on a fresh port", flush=True)
+                    procs.stop(role.proc, 5.0)
+                    spec = self._eval_spec if name == EVAL_SERVER else \
+                        self._server_specs[int(name.removeprefix("rollout"))]
+                    spec = dataclasses.replace(spec, port=free_port())
+                    if name == EVAL_SERVER:
+                        self.start_eval_server(spec)
+                    else:
+                        self.start_server(int(name.removeprefix("rollout")), spec)
 
     def check(self) -> None:
         tier = self.relay_tier

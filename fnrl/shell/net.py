@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10_000
+_rng = random.SystemRandom()   # not the global generator, which a job may have seeded
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (another process may still take it)."""
+    """A TCP port that was free a moment ago (another process may still take it).
+
+    Drawn at random below the kernel's ephemeral range where there is room (Linux:
+    10000-32767): a vLLM server binds its port tens of seconds after it is chosen, and
+    in that window every connection and `bind(0)` on the host (vLLM's engine cores'
+    among them) takes ports from the ephemeral range, which is where `bind(0)` itself
+    would have picked. Servers that still lose the race are restarted on a fresh port
+    (fnrl.control.roles.Cluster.wait_servers_ready)."""
+    low = ephemeral_low()
+    if low - LOWEST >= 1024:
+        for _ in range(64):
+            port = _rng.randrange(LOWEST, low)
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_taken(log_path: str | Path, since: int = 0, tail_bytes: int = 16_384) -> bool:
+    """Whether a server's log, from byte `since` on (where its latest start began),
+    ends with its bind failing on a port in use."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(since, f.tell() - tail_bytes))
+            return b"Address already in use" in f.read()
+    except OSError:
+        return False

@@ -84,6 +84,13 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                                      cost=costs.named_decode(c.decode, table))
     else:
         decode = costs.load_profiled(c.decode)
+    switch = 0.0    # colocated: the phase switch a step (costs.colocated_memory)
+    if colocated:
+        frac, switch = costs.colocated_memory(
+            model, served, gpu, tp=c.rollout_tp, gpus=cfg.gpus, fraction=c.memory_fraction,
+            offload=c.train_offload, roof=roof, p=costs.ColocatedParams(**table.get("colocated", {})))
+    roof = dataclasses.replace(roof, kv_memory_fraction=frac if colocated else
+                               c.memory_fraction or roof.kv_memory_fraction)
     kv = c.kv_capacity_tokens or costs.kv_capacity_tokens(served, gpu, c.rollout_tp, roof)
     w = cfg.workload
     if kv < w.prompt_len + w.len_max + 1:
@@ -91,7 +98,7 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                          f"({w.prompt_len} + {w.len_max} tokens) does not fit")
     nbytes = served.weight_bytes
     if colocated:
-        publish, pull = 0.0, costs.colocated_sync_s(nbytes, c.rollout_tp, sync)
+        publish, pull = 0.0, costs.colocated_sync_s(nbytes, c.rollout_tp, sync) + switch
     elif c.weight_sync == "relay":
         publish = costs.publish_stall_s(nbytes, sync)
         pull = costs.relay_pull_s(nbytes, c.rollout_tp, gpu, sync)

@@ -43,6 +43,13 @@ class ClusterSpec:
     kv_capacity_tokens: int = 0
     """KV tokens per instance (0: HBM less weights, costs.kv_capacity_tokens)."""
     max_num_seqs: int = 1024
+    memory_fraction: float = 0.0
+    """vLLM's `gpu_memory_utilization` on the rollout GPUs: their weights and KV (0:
+    costs.toml's roofline `kv_memory_fraction`; colocated, what the trainer's resident
+    state leaves of it; verl's default is 0.5). Colocated runs check that both fit."""
+    train_offload: bool = False
+    """Colocated: the trainer's optimizer state goes to host while the engine generates
+    (FSDP optimizer offload), paid over PCIe both ways every step."""
     train_mfu: float = 0.35
     train_step_s: float = 0.0
     """> 0: every train step takes this long (a measured figure) instead of the FLOPs model."""
@@ -82,6 +89,10 @@ class ClusterSpec:
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")
+        check(0 <= self.memory_fraction <= 1, "ClusterSpec", "memory_fraction",
+              self.memory_fraction, "must be in [0, 1] (0: the default)")
+        check(not self.train_offload or self.placement == "colocated", "ClusterSpec",
+              "train_offload", self.train_offload, "needs placement='colocated'")
         if self.stream_minibatches > 1:
             check(self.placement == "disaggregated" and self.shared_cores == 0, "ClusterSpec",
                   "stream_minibatches", self.stream_minibatches,

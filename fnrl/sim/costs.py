@@ -7,6 +7,8 @@
   its KV grows by n tokens a step, so m steps take a closed form (`decode_steps_s`) and
   the simulator never walks single steps.
 - Prefill (compute-bound), KV capacity in tokens (HBM left after the weights).
+- Colocation's memory (verl): the trainer's FSDP state resident beside the engine, the
+  engine's memory share, and the phase switch a step (sleep, wake, optimizer offload).
 - Train step: model FLOPs × tokens / (GPUs × peak × MFU), attention included.
 - Weight movement: Laminar's publish stall, chain broadcast (App. C: the relay at chain
   position j holds the last of k chunks after (j + k − 1)·t_chunk) and the rollout's
@@ -94,6 +96,21 @@ class TrainParams:
 
     def __post_init__(self):
         check(0 < self.mfu <= 1, "TrainParams", "mfu", self.mfu, "must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocatedParams:
+    state_bytes_per_param: float = 16.0
+    offload_bytes_per_param: float = 12.0
+    sleep_level: int = 1
+
+    def __post_init__(self):
+        positive(self, "state_bytes_per_param")
+        check(0 <= self.offload_bytes_per_param <= self.state_bytes_per_param, "ColocatedParams",
+              "offload_bytes_per_param", self.offload_bytes_per_param,
+              f"must be in [0, state_bytes_per_param={self.state_bytes_per_param}]")
+        check(self.sleep_level in (1, 2), "ColocatedParams", "sleep_level", self.sleep_level,
+              "must be 1 (weights to host) or 2 (weights dropped)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,3 +307,39 @@ def nccl_sync_s(nbytes: float, tp: int, p: SyncParams) -> float:
 def colocated_sync_s(nbytes: float, tp: int, p: SyncParams) -> float:
     """Colocated: the train layout is resharded into the engine's on the same GPUs."""
     return nbytes / tp / p.colocated_bw + p.reload_s
+
+
+# --- colocation's memory ---------------------------------------------------------------------
+
+
+def colocated_memory(model: ModelSpec, served: ModelSpec, gpu: GpuSpec, *, tp: int, gpus: int,
+                     fraction: float, offload: bool, roof: RooflineParams,
+                     p: ColocatedParams) -> tuple[float, float]:
+    """verl's colocation, per GPU: (the engine's memory fraction, the phase switch's
+    seconds a step).
+
+    The trainer's FSDP state (`state_bytes_per_param`: BF16 weights and gradients, FP32
+    master weights and Adam's two moments, ZeRO §3's 16 bytes) is sharded over all `gpus`
+    and stays resident while the engine generates, less the optimizer state that
+    `offload` moves to host. `fraction` is vLLM's `gpu_memory_utilization` (verl's
+    default is 0.5); 0 gives the engine what the resident state leaves of the roofline's
+    `kv_memory_fraction`. A step switches phases twice: the engine sleeps before the
+    train step (level 1: its weights go to host over PCIe; level 2: dropped, as the
+    reshard rewrites them) and wakes after it, and offloaded optimizer state comes back
+    for the step and leaves after it.
+
+    Gap (ours): the seeds do not give verl's offload or sleep settings; 16 bytes a
+    parameter is the standard mixed-precision Adam figure, and activations, freed before
+    generation, are left out."""
+    resident = (p.state_bytes_per_param - (p.offload_bytes_per_param if offload else 0.0)) \
+        * model.params / gpus
+    engine = fraction or roof.kv_memory_fraction - resident / gpu.hbm_bytes
+    if resident + engine * gpu.hbm_bytes > gpu.hbm_bytes * (1 + 1e-9) or engine <= 0:
+        raise ValueError(
+            f"invalid config colocated on {gpus} GPUs: the trainer's resident state "
+            f"({resident / 1e9:.1f} GB a GPU) and the engine's share "
+            f"({max(engine, 0.0):.2f} x {gpu.hbm_bytes / 1e9:.0f} GB) do not fit in one GPU"
+            + ("" if offload else "; try cluster.train_offload=true"))
+    weights = served.weight_bytes / tp / gpu.pcie_bw if p.sleep_level == 1 else 0.0
+    moved = p.offload_bytes_per_param * model.params / gpus / gpu.pcie_bw if offload else 0.0
+    return engine, 2 * (weights + moved)

@@ -89,3 +89,56 @@ def test_profiled_cost_file(tmp_path):
     path.write_text(json.dumps({"k1": 1e-7}))
     with pytest.raises(ValueError, match="lacks"):
         costs.load_profiled(path)
+
+
+def test_colocated_memory_by_hand():
+    gpu = costs.GpuSpec(peak_flops=1e15, hbm_bytes=80e9, hbm_bw=2e12, pcie_bw=50e9, nic_bw=50e9)
+    model = costs.ModelSpec(params=10e9, active_params=10e9, layers=10, attn_dim=1000,
+                            kv_bytes_per_token=1e5)
+    roof, p = costs.RooflineParams(kv_memory_fraction=0.9), costs.ColocatedParams()
+
+    def memory(**kw):
+        args = dict(tp=2, gpus=16, fraction=0.0, offload=False, roof=roof, p=p) | kw
+        return costs.colocated_memory(model, model, gpu, **args)
+
+    # Resident: 16 B x 10e9 / 16 GPUs = 10 GB, so the engine gets 0.9 - 10/80 = 0.775.
+    # Sleep level 1: 20 GB of weights / TP 2 / 50 GB/s = 0.2 s, out and back.
+    assert memory() == pytest.approx((0.775, 0.4))
+    # Optimizer offload: 4 B resident (2.5 GB, 0.86875 left); 12 B x 10e9 / 16 = 7.5 GB
+    # at 50 GB/s is 0.15 s each way on top.
+    assert memory(offload=True) == pytest.approx((0.86875, 0.7))
+    # An explicit share is kept when it fits: 10 GB + 0.5 x 80 GB.
+    assert memory(fraction=0.5) == pytest.approx((0.5, 0.4))
+    assert costs.colocated_memory(model, model, gpu, tp=2, gpus=16, fraction=0.5, offload=False,
+                                  roof=roof, p=costs.ColocatedParams(sleep_level=2)) \
+        == pytest.approx((0.5, 0.0))
+    # 10 GB + 0.9 x 80 GB = 82 GB does not fit an 80 GB GPU: the error names the figures.
+    with pytest.raises(ValueError, match=r"10\.0 GB a GPU.*0\.90 x 80 GB.*train_offload"):
+        memory(fraction=0.9)
+    # On 2 GPUs the resident 80 GB leaves nothing at all.
+    with pytest.raises(ValueError, match=r"80\.0 GB a GPU"):
+        memory(gpus=2)
+
+
+def test_colocated_memory_in_the_layout():
+    import dataclasses
+
+    from fnrl.sim.cluster import layout
+    from fnrl.sim.config import ClusterSpec, SimConfig
+
+    # Qwen2.5-7B colocated on 16 H100s at TP 2: 16 · 7.6e9 / 16 = 7.6 GB resident, so the
+    # engine gets 0.9 − 7.6 / 80 = 0.805 of each GPU: (2 · 80e9 · 0.805 − 15.2e9) / 57,344.
+    cfg = SimConfig(preset="sync", gpus=16, plots=False,
+                    cluster=ClusterSpec(model="qwen2.5-7b", placement="colocated", rollout_tp=2))
+    assert layout(cfg).kv_capacity == int((2 * 80e9 * 0.805 - 15.2e9) // 57344)
+    offload = dataclasses.replace(cfg.cluster, train_offload=True)
+    assert layout(dataclasses.replace(cfg, cluster=offload)).kv_capacity > layout(cfg).kv_capacity
+    # 72B colocated on 8 GPUs: 145 GB of state a GPU cannot stay beside any engine.
+    small = dataclasses.replace(cfg, gpus=8, cluster=dataclasses.replace(
+        cfg.cluster, model="qwen2.5-72b", rollout_tp=8))
+    with pytest.raises(ValueError, match=r"colocated on 8 GPUs.*145\.4 GB a GPU"):
+        layout(small)
+    with pytest.raises(ValueError, match="train_offload"):
+        ClusterSpec(train_offload=True)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        ClusterSpec(memory_fraction=1.5)

@@ -49,6 +49,11 @@ def test_table2_placements(model, gpus, train, rollouts_verl, rollouts_laminar, 
         assert max(lay.relay_position) == machines - 1
         assert (max(lay.relay_arrival_s) > 0) == (machines > 1)
     assert laminar.config("verl", model, gpus).preset == "sync"
+    # verl's engine gets 0.5 of each GPU beside the trainer's resident state:
+    # (TP · 80e9 · 0.5 − 2 · params) / KV bytes a token.
+    params, kv_token, tp = {"7b": (7.6e9, 57344, 2), "32b": (32.8e9, 262144, 4),
+                            "72b": (72.7e9, 327680, 8)}[model]
+    assert verl.kv_capacity == int((tp * 40e9 - 2 * params) // kv_token)
     assert laminar.config("laminar", model, gpus).preset == "laminar"
 
 

@@ -34,6 +34,11 @@ def test_cluster_by_hand():
     assert lay.decode.cost == costs.named_decode("staleflow-qwen3-30b-a3b-h20")
     verl = layout(config("sync", placement="colocated"))
     assert (verl.train_gpus, verl.rollouts, verl.colocated) == (128, 128, True)
+    # Colocated, the trainer's 16 · 30.5e9 / 128 = 3.8125 GB stay resident:
+    # (96e9 · 0.9 − 3.8125e9 − 61e9) / 98,304 = 219,599 KV tokens. The pull is the reshard
+    # (61e9 / 300e9) and the reload (0.3 s) plus the sleep: 61e9 / 50e9 out and back.
+    assert verl.kv_capacity == 219_599
+    assert verl.pull_s == pytest.approx(61 / 300 + 0.3 + 2 * 61 / 50)
 
 
 def test_mean_claim_averages_the_pairs():

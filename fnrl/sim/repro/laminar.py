@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import PairsClaim, Setup, register
+from fnrl.sim.repro import VERL_MEMORY_FRACTION, PairsClaim, Setup, register
 from fnrl.sim.workload import WorkloadSpec
 
 PAPER_MEAN = 2.56          # §8.1: Laminar over verl, averaged over Fig. 11
@@ -77,9 +77,11 @@ ASSUMPTIONS = (
     "Prompts are 512 tokens (assumed; §8 gives only the 2K maximum).",
     "H800 = H100's compute and HBM (same die); decode and prefill from the roofline "
     "model, training at 35% MFU (costs.toml), the same for both systems.",
-    "verl's colocated weight update is an in-GPU reshard plus a 0.3 s reload; verl's "
-    "offload of optimizer state and KV between phases is not modelled (no memory model "
-    "for colocation yet), which flatters verl.",
+    "verl's colocated weight update is an in-GPU reshard plus a 0.3 s reload. Its engine "
+    "gets verl's default share of each GPU (gpu_memory_utilization 0.5) beside the "
+    "trainer's resident FSDP state (16 bytes a parameter over all GPUs; no optimizer "
+    "offload, which the paper does not mention), and sleeps between phases (its weights "
+    "to host and back over PCIe every step; fnrl.sim.costs.colocated_memory).",
     "Laminar's inherent staleness is bounded at η = 4, the maximum the paper observed.",
     "One-step and Stream (built by the authors on verl, bound 1): the `one_step` "
     "coordinator with a global weight sync (every rollout pulls at once, once all have "
@@ -105,7 +107,7 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
     if system == "verl":
         preset = "sync"
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="colocated",
-                              rollout_tp=verl_tp)
+                              rollout_tp=verl_tp, memory_fraction=VERL_MEMORY_FRACTION)
     elif system in ("one_step", "stream"):
         preset = "one_step"
         train, rollout = ONE_STEP_SPLIT[model][gpus]

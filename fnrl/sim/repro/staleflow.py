@@ -137,6 +137,11 @@ def setup(quick: bool = False) -> Setup:
             "the paper's is over four models and the η of its figure.",
             f"{STEPS} steps a run, decision cycles at least {CYCLE_S:g} s apart (the paper's "
             "snapshot period is unstated).",
+            "VeRL (colocated) keeps the trainer's FSDP state resident (16 bytes a parameter "
+            "over the 128 GPUs, 3.8 GB each) and its engine gets what that leaves of 0.9 of "
+            "each GPU: verl's default share (gpu_memory_utilization 0.5) cannot hold the 61 GB "
+            "of weights at TP 1 on a 96 GB H20. It sleeps between phases "
+            "(fnrl.sim.costs.colocated_memory).",
             "VeRL-Async is StaleFlow with all three strategies vanilla (§6.5: fewest-"
             "trajectories routing, greedy sync, migration only through sync), which the "
             "paper finds closely matches VeRL-Async; VeRL's own global NCCL sync barrier "
