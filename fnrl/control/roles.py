@@ -371,13 +371,11 @@ class Cluster:
                     print(f"fnrl: {name}: {role.address} was taken before the server bound "
                           "it; starting it again on a fresh port", flush=True)
                     procs.stop(role.proc, 5.0)
-                    spec = self._eval_spec if name == EVAL_SERVER else \
-                        self._server_specs[int(name.removeprefix("rollout"))]
-                    spec = dataclasses.replace(spec, port=free_port())
                     if name == EVAL_SERVER:
-                        self.start_eval_server(spec)
+                        self.start_eval_server(dataclasses.replace(self._eval_spec,
+                                                                   port=free_port()))
                     else:
-                        self.start_server(int(name.removeprefix("rollout")), spec)
+                        self.restart_server(int(name.removeprefix("rollout")))
 
     def check(self) -> None:
         tier = self.relay_tier

@@ -26,14 +26,19 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, fsync: bool = Fa
     os.replace(tmp, path)
 
 
+def read_tail(path: str | os.PathLike, since: int = 0) -> bytes:
+    """The last bytes of a log (at most _TAIL_BYTES), none before offset `since`."""
+    with open(path, "rb") as f:
+        f.seek(max(since, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+        return f.read()
+
+
 def log_tail(path: str | os.PathLike | None, lines: int = 30) -> str:
     """"; last lines of PATH:\\n..." for an error message, or "" when there is no log."""
     if not path:
         return ""
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
-            text = f.read().decode(errors="replace").splitlines()[-lines:]
+        text = read_tail(path).decode(errors="replace").splitlines()[-lines:]
     except OSError:
         return ""
     return f"; last lines of {path}:\n" + "\n".join(text)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from pathlib import Path
+
+from fnrl.shell.files import read_tail
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10_000
 _rng = random.SystemRandom()   # not the global generator, which a job may have seeded
 
 
+@functools.cache
 def ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
     try:
@@ -48,13 +52,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def port_taken(log_path: str | Path, since: int = 0, tail_bytes: int = 16_384) -> bool:
+def port_taken(log_path: str | Path, since: int = 0) -> bool:
     """Whether a server's log, from byte `since` on (where its latest start began),
     ends with its bind failing on a port in use."""
     try:
-        with open(log_path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(since, f.tell() - tail_bytes))
-            return b"Address already in use" in f.read()
+        return b"Address already in use" in read_tail(log_path, since)
     except OSError:
         return False

@@ -84,13 +84,13 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
                                      cost=costs.named_decode(c.decode, table))
     else:
         decode = costs.load_profiled(c.decode)
-    switch = 0.0    # colocated: the phase switch a step (costs.colocated_memory)
+    # The engine's share of each GPU and, colocated, the phase switch a step.
+    share, switch = c.memory_fraction or roof.kv_memory_fraction, 0.0
     if colocated:
-        frac, switch = costs.colocated_memory(
+        share, switch = costs.colocated_memory(
             model, served, gpu, tp=c.rollout_tp, gpus=cfg.gpus, fraction=c.memory_fraction,
             offload=c.train_offload, roof=roof, p=costs.ColocatedParams(**table.get("colocated", {})))
-    roof = dataclasses.replace(roof, kv_memory_fraction=frac if colocated else
-                               c.memory_fraction or roof.kv_memory_fraction)
+    roof = dataclasses.replace(roof, kv_memory_fraction=share)
     kv = c.kv_capacity_tokens or costs.kv_capacity_tokens(served, gpu, c.rollout_tp, roof)
     w = cfg.workload
     if kv < w.prompt_len + w.len_max + 1:

@@ -23,11 +23,6 @@ from typing import Callable, Union
 
 from fnrl.sim.config import SimConfig
 
-VERL_MEMORY_FRACTION = 0.5
-"""verl's rollout `gpu_memory_utilization` default (its config reference: 0.5, with
-`free_cache_engine`), for the colocated verl baselines: the engine's share of each GPU
-beside the trainer's resident state (fnrl.sim.costs.colocated_memory)."""
-
 Run = Union[SimConfig, Callable[[int], dict]]
 """A simulated system: a config (run by fnrl.sim.report.simulate with the seed set), or a
 function of the seed returning a summary with at least the claims' metric keys."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import VERL_MEMORY_FRACTION, PairsClaim, Setup, register
+from fnrl.sim.repro import PairsClaim, Setup, register
 from fnrl.sim.workload import WorkloadSpec
 
 PAPER_MEAN = 2.56          # §8.1: Laminar over verl, averaged over Fig. 11
@@ -68,6 +68,10 @@ ROLLOUT_TP = {"7b": (2, 1), "32b": (4, 4), "72b": (8, 8)}
 MODEL = {"7b": "qwen2.5-7b", "32b": "qwen2.5-32b", "72b": "qwen2.5-72b"}
 SYSTEMS = ("verl", "one_step", "stream", "laminar", "fnrl")
 HEADLINE = ("72b", 1024)   # the paper's largest cluster: the plain labels
+VERL_MEMORY_FRACTION = 0.5
+"""verl's rollout `gpu_memory_utilization` default (its config reference: 0.5, with
+`free_cache_engine`): the colocated verl's engine share of each GPU beside the trainer's
+resident state (fnrl.sim.costs.colocated_memory)."""
 
 ASSUMPTIONS = (
     "Fig. 17's length distributions are not in the text: responses are lognormal with "
