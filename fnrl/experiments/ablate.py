@@ -94,25 +94,52 @@ def cell_command(cell_file: Path) -> list[str]:
     return [sys.executable, "-m", "fnrl.experiments.math_grpo", "--config", str(cell_file)]
 
 
+# The trainer role's start (fnrl.trainer.role.main, serve): its XLA flags, CPUs and cache.
 _WARM = """
-import json, sys
+import sys
 from pathlib import Path
-import numpy as np
+from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
+use_memory_scheduler()
 from fnrl.config import RunConfig, load_json
-from fnrl.trainer.batching import default_buckets
+from fnrl.experiments.ablate import warm_batches
 from fnrl.trainer.role import Trainer, enable_compilation_cache
-from fnrl.trainer.step import pack_sequences
-enable_compilation_cache()
 cfg = load_json(RunConfig, sys.argv[1])
-model_dir, run_dir, seq_len = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-trainer = Trainer(cfg, model_dir, run_dir)
-rows = cfg.algo.groups_per_step * cfg.algo.group_size
-for width in cfg.trainer.length_buckets or default_buckets(seq_len):
-    arrays = pack_sequences([(2, 5, 6)] * rows, [(5, 1)] * rows, width, 0)
-    arrays["behaviour_logp_BxT"] = np.zeros((rows, width), np.float32)
-    arrays["adv_B"] = np.zeros(rows, np.float32)
+set_cpu_threads(cfg.trainer.cpu_threads)
+enable_compilation_cache()
+trainer = Trainer(cfg, Path(sys.argv[2]), Path(sys.argv[3]))
+for arrays in warm_batches(cfg, int(sys.argv[4])):
     trainer.train(arrays)
 """
+
+
+def warm_batches(cfg: RunConfig, seq_len: int):
+    """One batch per length bucket, built as the controller builds a step's (make_batch,
+    then the gates' controls), so what the warm-up compiles is the very program the
+    trainer role runs: same keys, dtypes, shapes and controls, hence the same cache key.
+
+    In each, one sequence is a position longer than the bucket below, the rest as short
+    as a sequence can be, so the bucket chosen is that one, packed or not."""
+    from fnrl.policy import gates
+    from fnrl.trainer.batching import default_buckets, make_batch
+    from fnrl.trainer.controls import pack_controls
+    from fnrl.types import Group, Problem, Segment, Trajectory
+
+    def trajectory(slots: int, reward: float) -> Trajectory:   # slots = prompt + response - 1
+        return Trajectory(uid="warm", prompt_ids=(2,), finish_reason="stop", reward=reward,
+                          segments=(Segment(0, (5,) * slots, (-1.0,) * slots),))
+
+    upper, lower = gates.limits(gates.initial_state(0), cfg.gates)
+    controls = pack_controls(lr_scale=1.0, upper=upper, lower=lower)
+    buckets = cfg.trainer.length_buckets or default_buckets(seq_len)
+    for below, width in zip((0, *buckets), buckets):
+        groups = [Group(Problem(f"warm-{g}", "", "", 0),
+                        tuple(trajectory(below + 1 if g == i == 0 else 1, float(i % 2))
+                              for i in range(cfg.algo.group_size)))
+                  for g in range(cfg.algo.groups_per_step)]
+        arrays, _ = make_batch(groups, 0, algo=cfg.algo, trainer=cfg.trainer, seq_len=seq_len,
+                               pad_id=0, episodes=cfg.task.env != "math")
+        if arrays["input_BxT"].shape[1] == width:
+            yield {**arrays, **controls}
 
 
 def warm_compile_cache(cfg: RunConfig) -> float:

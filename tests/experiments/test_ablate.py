@@ -251,8 +251,41 @@ def test_the_presets_benchmark_file_expands_to_every_preset_in_every_round():
     assert isinstance(cells[0], Cell) and isinstance(spec, AblationSpec)
 
 
+@pytest.mark.parametrize("trainer", [{}, {"pack_rows": 16, "micro_batches": 2},
+                                     {"length_buckets": (24, 100, 256)}])
+def test_the_warm_up_builds_the_batch_the_controller_sends_in_every_bucket(tmp_path, trainer):
+    """The warm-up compiles the trainer role's program only if its batches have the keys,
+    dtypes and shapes of the controller's (make_batch and the gates' controls): one
+    batch per length bucket, each the shape a real batch of that length has."""
+    import dataclasses
+
+    from fnrl.config import RunConfig, TrainerConfig
+    from fnrl.control.gating import Gating
+    from fnrl.trainer.batching import default_buckets, make_batch
+    from fnrl.types import Group, Problem, Segment, Trajectory
+
+    cfg = dataclasses.replace(RunConfig(), trainer=TrainerConfig(**trainer))
+    buckets = cfg.trainer.length_buckets or default_buckets(256)
+    warm = list(ablate.warm_batches(cfg, 256))
+    assert [b["input_BxT"].shape[1] for b in warm] == list(buckets)
+    controls = Gating(cfg, run_dir=tmp_path, journal=None, writer=False, log=print,
+                      version=0).controls()
+    for width, batch in zip(buckets, warm):
+        # A batch of that length: one long response a group, the rest short.
+        lengths = [[width - g % 2 if i == 0 else 1 + i % 2 for i in range(cfg.algo.group_size)]
+                   for g in range(cfg.algo.groups_per_step)]
+        groups = [Group(Problem(f"p{g}", "q", "a", 1), tuple(
+            Trajectory(f"p{g}-{i}", (1,), (Segment(3, (4,) * n, (-0.5,) * n),), "stop",
+                       reward=float(i % 3 == 0)) for i, n in enumerate(row)))
+            for g, row in enumerate(lengths)]
+        real, _ = make_batch(groups, 4, algo=cfg.algo, trainer=cfg.trainer, seq_len=256, pad_id=0)
+        real |= controls
+        assert {k: (v.shape, v.dtype) for k, v in batch.items()} == \
+            {k: (v.shape, v.dtype) for k, v in real.items()}
+
+
 @pytest.mark.slow
-def test_a_two_cell_grid_runs_end_to_end_and_resumes(tmp_path, cache_dir, capsys):
+def test_a_two_cell_grid_runs_end_to_end_and_resumes(tmp_path, cache_dir, capsys, monkeypatch):
     from e2e_args import SMALL
 
     flags = dict(zip(SMALL[::2], SMALL[1::2]))          # "--a.b-c": "1" -> "a.b_c": 1
@@ -262,9 +295,17 @@ def test_a_two_cell_grid_runs_end_to_end_and_resumes(tmp_path, cache_dir, capsys
     path.write_text(json.dumps({"name": "tiny", "output": str(tmp_path / "out"),
                                 "warm_compile": True, "base": base,
                                 "grid": {"preset": ["sync", "fnrl"], "seed": [0]}}))
-    assert ablate.main([str(path)]) == 0
+    # The warm-up compiles the trainer role's very program: with a cache of its own, the
+    # cells add no train step to it (one would be a compile the warm-up missed).
+    jax_cache = tmp_path / "jax_cache"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
     spec = read_spec(path)
     cells = expand(spec)
+    ablate.warm_compile_cache(cell_config(ablate.pinned(spec), cells[0]))
+    compiled = {p.name for p in jax_cache.glob("jit_train_step*")}
+    assert compiled
+    assert ablate.main([str(path)]) == 0
+    assert {p.name for p in jax_cache.glob("jit_train_step*")} == compiled
     for cell in cells:
         run_dir = spec.out_dir / cell.name
         summary = json.loads((run_dir / "summary.json").read_text())
