@@ -14,7 +14,6 @@ import numpy as np
 from fnrl.control.handles import RelayEvent, TrainResult
 from fnrl.control.roles import EVAL_SERVER, Cluster
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import wait_ready
 from fnrl.shell import procs
 from fnrl.shell.wire import RoleClient, RoleError
 
@@ -164,10 +163,12 @@ class HttpRollout:
 
     async def restart(self) -> float:
         self.kill()
-        role = self.cluster.restart_server(self.rid)
-        seconds = await asyncio.to_thread(wait_ready, role.address, role.proc,
+        self.cluster.restart_server(self.rid)
+        # Its port may be taken before it binds: then it starts again on another.
+        seconds = await asyncio.to_thread(self.cluster.wait_server_ready, self.name,
                                           self.start_timeout_s)
-        self.client = RolloutClient(role.address, self.session, timeout_s=self.timeout_s)
+        self.client = RolloutClient(self.cluster.role(self.name).address, self.session,
+                                    timeout_s=self.timeout_s)
         return seconds
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

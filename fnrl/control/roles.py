@@ -354,28 +354,34 @@ class Cluster:
             raise RoleError(f"{err}{log_tail(str(relay.log_path))}") from err
 
     def wait_servers_ready(self, timeout_s: float, port_retries: int = 3) -> None:
-        """Waits for every server. One that exits before it is ready because its port
-        was taken after `free_port` chose it starts again on a fresh port, up to
-        `port_retries` times; any other failure raises RoleError with its log."""
+        """Waits for every server (`wait_server_ready`)."""
         for name in [r.name for r in self.roles
                      if r.name.startswith("rollout") or r.name == EVAL_SERVER]:
-            for attempt in range(port_retries + 1):
-                role = self.role(name)
-                try:
-                    wait_ready(role.address, role.proc, timeout_s)
-                    break
-                except RuntimeError as err:
-                    if not (attempt < port_retries and role.proc.poll() is not None
-                            and port_taken(role.log_path, self._log_start.get(name, 0))):
-                        raise RoleError(f"{name}: {err}") from err
-                    print(f"fnrl: {name}: {role.address} was taken before the server bound "
-                          "it; starting it again on a fresh port", flush=True)
-                    procs.stop(role.proc, 5.0)
-                    if name == EVAL_SERVER:
-                        self.start_eval_server(dataclasses.replace(self._eval_spec,
-                                                                   port=free_port()))
-                    else:
-                        self.restart_server(int(name.removeprefix("rollout")))
+            self.wait_server_ready(name, timeout_s, port_retries)
+
+    def wait_server_ready(self, name: str, timeout_s: float, port_retries: int = 3) -> float:
+        """Waits for server `name`; returns the seconds it took. One that exits before it
+        is ready because its port was taken after `free_port` chose it starts again on a
+        fresh port (its role's address changes), up to `port_retries` times; any other
+        failure raises RoleError with its log."""
+        t0 = time.monotonic()
+        for attempt in range(port_retries + 1):
+            role = self.role(name)
+            try:
+                wait_ready(role.address, role.proc, timeout_s)
+                return time.monotonic() - t0
+            except RuntimeError as err:
+                if not (attempt < port_retries and role.proc.poll() is not None
+                        and port_taken(role.log_path, self._log_start.get(name, 0))):
+                    raise RoleError(f"{name}: {err}") from err
+                print(f"fnrl: {name}: {role.address} was taken before the server bound "
+                      "it; starting it again on a fresh port", flush=True)
+                procs.stop(role.proc, 5.0)
+                if name == EVAL_SERVER:
+                    self.start_eval_server(dataclasses.replace(self._eval_spec,
+                                                               port=free_port()))
+                else:
+                    self.restart_server(int(name.removeprefix("rollout")))
 
     def check(self) -> None:
         tier = self.relay_tier

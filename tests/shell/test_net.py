@@ -32,23 +32,50 @@ def test_port_taken_reads_only_the_latest_start(tmp_path):
     assert not net.port_taken(tmp_path / "missing.log")
 
 
+def squatted() -> socket.socket:
+    """A socket listening on a loopback port: what took it after free_port chose it."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
 @pytest.mark.slow
-def test_a_server_whose_port_was_taken_starts_again_on_a_fresh_one(tmp_path, tiny_model_dir):
-    from fnrl.control.roles import Cluster
+def test_a_server_whose_port_was_taken_starts_again_on_a_fresh_one(tmp_path, tiny_model_dir,
+                                                                   monkeypatch):
+    """At the first start (Cluster.wait_servers_ready) and at a supervised restart
+    (HttpRollout.restart), each with a real vLLM server."""
+    import asyncio
+
+    import aiohttp
+
+    from fnrl.control import roles
+    from fnrl.control.local import HttpRollout
     from fnrl.serving.server import ServerSpec
 
-    with socket.socket() as squatter:          # what took the port after free_port chose it
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        taken = squatter.getsockname()[1]
-        cluster = Cluster(tmp_path)
+    log = tmp_path / "logs" / "rollout0.log"
+    with squatted() as first, squatted() as second:
+        cluster = roles.Cluster(tmp_path)
         try:
+            taken = first.getsockname()[1]
             cluster.start_server(0, ServerSpec(model_dir=str(tiny_model_dir), port=taken,
                                                max_model_len=32, max_num_seqs=4))
             cluster.wait_servers_ready(timeout_s=300)
-            address = cluster.role("rollout0").address
-            assert not address.endswith(f":{taken}")
-            log = (tmp_path / "logs" / "rollout0.log").read_text()
-            assert log.count("Address already in use") == 1   # one lost start, then ready
+            assert not cluster.role("rollout0").address.endswith(f":{taken}")
+            assert log.read_text().count("Address already in use") == 1   # one lost start
+
+            # The restart's first port is taken too; its second is drawn as usual.
+            draws = iter([second.getsockname()[1]])
+            monkeypatch.setattr(roles, "free_port", lambda: next(draws, None) or net.free_port())
+
+            async def restart() -> str:
+                async with aiohttp.ClientSession() as session:
+                    rollout = HttpRollout(cluster, 0, session, timeout_s=30, start_timeout_s=300)
+                    await rollout.restart()
+                    await rollout.metrics()             # the new client reaches the server
+                    return cluster.role("rollout0").address
+            address = asyncio.run(restart())
+            assert not address.endswith(f":{second.getsockname()[1]}")
+            assert log.read_text().count("Address already in use") == 2
         finally:
             cluster.stop()
