@@ -9,6 +9,7 @@ migrations append segments, so per-token versions are kept from the start.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -207,11 +208,14 @@ class Abort:
 
 @dataclass(frozen=True)
 class Migrate:
-    """Interrupt `tids` on `src` and continue them on `dst` from their streamed tokens."""
+    """Interrupt `tids` on `src` and continue them on `dst` from their streamed tokens.
+    `reason`: "balance" (a waiting queue evened out, fnrl.policy.balance) or "repack" (a
+    rollout's long tail consolidated, fnrl.policy.repack); the counts tell them apart."""
 
     src: int
     dst: int
     tids: tuple[int, ...]
+    reason: Literal["balance", "repack"] = "balance"
 
 
 @dataclass(frozen=True)

@@ -255,8 +255,7 @@ class Controller:
             for tid in cmd.tids:
                 gen.unplace(trajs[tid], cmd.src)
                 gen.place(trajs[tid], cmd.dst)
-            counts["migrated"] += len(cmd.tids)
-            counts["repacks"] += 1
+            report.count_migrate(counts, cmd)
         elif isinstance(cmd, Abort):
             for tid in cmd.tids:
                 if cmd.rid is not None:

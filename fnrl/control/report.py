@@ -22,7 +22,10 @@ from fnrl.control.book import Book
 from fnrl.control.metrics import read_jsonl
 
 # Counters every preset reports, so runs compare key for key.
-COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "reprefill_tokens",
+# migrated: trajectories moved between rollouts; migrations: Migrate commands, of which
+# repacks are Laminar's consolidations (fnrl.policy.repack), the rest balancing moves.
+COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "migrations", "repacks",
+              "reprefill_tokens",
               "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
               "dynamic_sampling_dropped", "unfinished_at_end", "skipped_updates",
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
@@ -30,6 +33,13 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "repacks", "repr
               "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
               "pull_retries", "episodes_resumed", "episodes_restarted", "env_errors",
               "env_failed_groups")
+
+
+def count_migrate(counts, cmd) -> None:
+    """Counts one Migrate command (fnrl.types.Migrate) by its reason."""
+    counts["migrated"] += len(cmd.tids)
+    counts["migrations"] += 1
+    counts["repacks"] += cmd.reason == "repack"
 
 
 def utilization(book: Book, rollouts: Sequence, wall_s: float) -> dict:

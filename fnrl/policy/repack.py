@@ -95,7 +95,7 @@ def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
             idx = view.members(src)
             if idx.size == 0:
                 continue
-            cmds.append(Migrate(src, dst, tuple(view.tid[idx].tolist())))
+            cmds.append(Migrate(src, dst, tuple(view.tid[idx].tolist()), reason="repack"))
             # Laminar moves the KV footprint with the trajectories (CanFit adds C_used);
             # we re-prefill them, which rebuilds the same footprint at the destination.
             view.place(idx, dst)

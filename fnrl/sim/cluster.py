@@ -394,8 +394,7 @@ class Simulation:
                 self._continues(cmd.dst, tid)
                 self._place(cmd.dst, tid)
             self.dirty_inst.add(cmd.dst)
-            counts["migrated"] += len(cmd.tids)
-            counts["repacks"] += 1
+            report.count_migrate(counts, cmd)
         elif isinstance(cmd, Abort):
             if cmd.rid is not None:
                 self._leave(cmd.rid, cmd.tids)

@@ -6,10 +6,10 @@ import pytest
 
 from fnrl.control.generation import RolloutState
 from fnrl.control.book import Book
-from fnrl.control.report import across_attempts, ettr, utilization
+from fnrl.control.report import across_attempts, count_migrate, ettr, utilization
 from fnrl.control.supervisor import Outage
 from fnrl.control.training import StalenessViolation, check_bound
-from fnrl.types import Group, Problem, Segment, Trajectory
+from fnrl.types import Group, Migrate, Problem, Segment, Trajectory
 
 
 def test_ettr_counts_every_role_and_rollouts_idled_by_a_trainer_outage():
@@ -69,3 +69,13 @@ def test_the_bound_is_checked_on_every_token():
     assert check_bound((_group(3, 4),), 5, eta=2) == (4, 2)
     with pytest.raises(StalenessViolation, match="group p has a token of version 2"):
         check_bound((_group(4, 2),), 5, eta=2)
+
+
+def test_migrations_are_counted_apart_from_repacks():
+    """Balancing and repack both issue Migrate; `repacks` counts only repack's."""
+    from collections import Counter
+
+    counts = Counter()
+    for cmd in (Migrate(0, 1, (4, 5)), Migrate(2, 1, (6,), reason="repack"), Migrate(3, 0, (7,))):
+        count_migrate(counts, cmd)
+    assert counts == {"migrated": 4, "migrations": 3, "repacks": 1}

@@ -67,7 +67,7 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
         traj_len_N=np.array([5, 5, 30, 10]))
     view = WorkingView(snap, {1: 0, 2: 0, 3: 1}, CostModel())
     cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
-    assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
+    assert cmds == [Migrate(0, 1, (1, 2), reason="repack"), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
     # With a KV-read term that makes 40 tokens' step 2.4× 10 tokens', the pack is refused
     # at a 10% bound, and taken by the paper's rule alone (the default).
@@ -76,7 +76,7 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
         batch_bound=8, max_slowdown=0.1), ps_version=1) == []
     view = WorkingView(snap, {1: 0, 2: 0, 3: 1}, kv_bound)
     cmds = plan_repack(view, RepackConfig(batch_bound=8), ps_version=1)
-    assert cmds == [Migrate(0, 1, (1, 2)), Pull(0)]
+    assert cmds == [Migrate(0, 1, (1, 2), reason="repack"), Pull(0)]
     assert view.kv.tolist() == [0.0, 40.0, 10.0] and view.version.tolist() == [1, 0, 1]
     # B is at most the engine's sequence cap: 3 trajectories do not pack under a cap of 2.
     capped = dataclasses.replace(snap, inst_max_seqs_R=np.array([8, 2, 8]))
@@ -84,7 +84,7 @@ def test_plan_repack_moves_within_a_version_group_and_releases():
                        RepackConfig(batch_bound=8), ps_version=1) == []
     capped = dataclasses.replace(snap, inst_max_seqs_R=np.array([8, 3, 8]))
     assert plan_repack(WorkingView(capped, {1: 0, 2: 0, 3: 1}, CostModel()),
-                       RepackConfig(batch_bound=8), ps_version=1) == [Migrate(0, 1, (1, 2)),
+                       RepackConfig(batch_bound=8), ps_version=1) == [Migrate(0, 1, (1, 2), reason="repack"),
                                                                       Pull(0)]
 
 

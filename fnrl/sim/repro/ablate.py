@@ -35,7 +35,7 @@ from fnrl.sim.config import ABLATIONS, ENABLES, SimConfig
 from fnrl.sim.repro import SETUPS
 
 METRIC = "trained_seq_tokens_per_s"
-COUNTS = ("interrupted", "migrated", "repacks", "preemptions", "pulls")
+COUNTS = ("interrupted", "migrated", "migrations", "preemptions", "pulls")
 SHARES = ("staleness_mean", "rollout_idle_frac", "trainer_idle_frac")
 
 OFF = {
