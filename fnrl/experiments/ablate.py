@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -206,10 +207,12 @@ def run_ablation(spec: AblationSpec, *, max_cells: int | None = None) -> dict[st
             print(f"train-step compile into the persistent cache: "
                   f"{warm_compile_cache(cfg):.0f}s", flush=True)
     for cell in todo:
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()[0]
         rc = run_cell(spec, cell)
         state[cell.name] = "ran" if rc == 0 else f"failed (exit {rc})"
-        print(f"[{cell.name}] {state[cell.name]} in {time.perf_counter() - t0:.0f}s; log "
+        # The host's load beside each cell: on a shared machine, what moves a round's ratio.
+        print(f"[{cell.name}] {state[cell.name]} in {time.perf_counter() - t0:.0f}s (1-minute "
+              f"load {load0:.1f} at its start, {os.getloadavg()[0]:.1f} at its end); log "
               f"{spec.out_dir / cell.name / 'job.log'}", flush=True)
     return state
 
