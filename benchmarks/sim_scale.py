@@ -48,7 +48,8 @@ def main() -> None:
           f"trainer idle {s['trainer_idle_frac']:.2f}, rollouts idle {s['rollout_idle_frac']:.2f}, "
           f"max staleness {s['staleness_checked_max']}")
     print(f"  routed {s['routed']}, interrupted {s['interrupted']}, migrated {s['migrated']} "
-          f"in {s['migrations']} moves ({s['repacks']} repacks), pulls {s['pulls']}, preemptions {s['preemptions']}")
+          f"in {s['migrations']} moves ({s['repacks']} repacks), pulls {s['pulls']}, "
+          f"preemptions {s['preemptions']}")
     # The machine is shared: CPU time says what the simulator itself needs.
     print(f"  wall {wall:.1f} s (goal <= 60 s), CPU {cpu:.1f} s: {s['sim_events']} events = "
           f"{s['sim_events'] / wall:.0f} events/s of wall, {s['sim_cycles']} cycles, decide "

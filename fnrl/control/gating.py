@@ -30,6 +30,15 @@ from fnrl.trainer.controls import NO_ROLLBACK, pack_controls
 STOP_REPORT = "gates_stop.json"
 
 
+def batch_controls(state: gates.GateState, cfg: RunConfig,
+                   rollback_to: int = NO_ROLLBACK) -> dict[str, np.ndarray]:
+    """The arrays a batch carries for the gates in `state`: the learning-rate scale, the
+    bounds of the rules that skip, and a rollback (fnrl.trainer.controls)."""
+    upper, lower = gates.limits(state, cfg.gates)
+    return pack_controls(lr_scale=state.lr_scale, upper=upper, lower=lower,
+                         rollback_to=rollback_to)
+
+
 class Gating:
     """Holds the GateState of one attempt; `controls` before a step, `observe` after."""
 
@@ -46,9 +55,7 @@ class Gating:
 
     def controls(self) -> dict[str, np.ndarray]:
         """The arrays the next batch carries: scale, bounds and any pending rollback."""
-        upper, lower = gates.limits(self.state, self.cfg.gates)
-        return pack_controls(lr_scale=self.state.lr_scale, upper=upper, lower=lower,
-                             rollback_to=self.pending_rollback)
+        return batch_controls(self.state, self.cfg, self.pending_rollback)
 
     def sent(self) -> int:
         """The batch with the controls went out; returns the rollback it carried."""

@@ -95,18 +95,15 @@ def cell_command(cell_file: Path) -> list[str]:
     return [sys.executable, "-m", "fnrl.experiments.math_grpo", "--config", str(cell_file)]
 
 
-# The trainer role's start (fnrl.trainer.role.main, serve): its XLA flags, CPUs and cache.
+# Started as the trainer role is (its XLA flag, CPUs and cache), so it compiles the same code.
 _WARM = """
 import sys
 from pathlib import Path
-from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
-use_memory_scheduler()
 from fnrl.config import RunConfig, load_json
 from fnrl.experiments.ablate import warm_batches
-from fnrl.trainer.role import Trainer, enable_compilation_cache
+from fnrl.trainer.role import Trainer, prepare_process
 cfg = load_json(RunConfig, sys.argv[1])
-set_cpu_threads(cfg.trainer.cpu_threads)
-enable_compilation_cache()
+prepare_process(cfg)
 trainer = Trainer(cfg, Path(sys.argv[2]), Path(sys.argv[3]))
 for arrays in warm_batches(cfg, int(sys.argv[4])):
     trainer.train(arrays)
@@ -120,17 +117,16 @@ def warm_batches(cfg: RunConfig, seq_len: int):
 
     In each, one sequence is a position longer than the bucket below, the rest as short
     as a sequence can be, so the bucket chosen is that one, packed or not."""
+    from fnrl.control.gating import batch_controls
     from fnrl.policy import gates
     from fnrl.trainer.batching import default_buckets, make_batch
-    from fnrl.trainer.controls import pack_controls
     from fnrl.types import Group, Problem, Segment, Trajectory
 
     def trajectory(slots: int, reward: float) -> Trajectory:   # slots = prompt + response - 1
         return Trajectory(uid="warm", prompt_ids=(2,), finish_reason="stop", reward=reward,
                           segments=(Segment(0, (5,) * slots, (-1.0,) * slots),))
 
-    upper, lower = gates.limits(gates.initial_state(0), cfg.gates)
-    controls = pack_controls(lr_scale=1.0, upper=upper, lower=lower)
+    controls = batch_controls(gates.initial_state(0), cfg)   # a run's first step's
     buckets = cfg.trainer.length_buckets or default_buckets(seq_len)
     for below, width in zip((0, *buckets), buckets):
         groups = [Group(Problem(f"warm-{g}", "", "", 0),

@@ -31,8 +31,8 @@ from fnrl.experiments.rounds import spread
 FIGURES = ("trained_tok_s", "generated_tok_s", "acc_at_tokens", "final_acc", "staleness_mean",
            "staleness_max", "trainer_idle_frac", "rollout_idle_frac", "wall_s")
 # Counters of the summary (fnrl.control.report.COUNT_KEYS and totals), per cell in cells.csv.
-COUNTS = ("trained_tokens", "generated_tokens", "interrupted", "migrated", "migrations", "repacks",
-          "reprefill_tokens", "pulls")
+COUNTS = ("trained_tokens", "generated_tokens", "interrupted", "migrated", "migrations",
+          "repacks", "reprefill_tokens", "pulls")
 RATIO_FIGURES = ("trained_tok_s", "generated_tok_s")
 
 

@@ -298,11 +298,20 @@ def fanout_addresses(environ=os.environ) -> list[str]:
     return value.split(",")
 
 
+def prepare_process(cfg: RunConfig) -> None:
+    """What a trainer process sets before JAX starts its backend: the XLA scheduler flag
+    and its CPUs (fnrl.trainer.xla_flags; XLA sizes its CPU pool at backend start), and
+    the persistent compilation cache. Whatever compiles the trainer's step elsewhere
+    (the ablation warm-up) calls it too, so its compiled code is the role's."""
+    use_memory_scheduler()
+    set_cpu_threads(cfg.trainer.cpu_threads)
+    enable_compilation_cache()
+
+
 def serve(args: argparse.Namespace) -> None:
     cfg = load_json(RunConfig, args.config)
-    set_cpu_threads(cfg.trainer.cpu_threads)   # XLA sizes its CPU pool at backend start
+    prepare_process(cfg)
     group = distributed.join(cfg.trainer.distributed)   # None: one process
-    enable_compilation_cache()
     if group is not None:
         print(f"trainer process {group.process_id} of {group.num_processes} joined "
               f"(coordinator {group.coordinator}, {jax.device_count()} devices, "
@@ -402,7 +411,6 @@ def follow(cfg: RunConfig, args: argparse.Namespace, feed: CommandFeed) -> None:
 
 
 def main() -> None:
-    use_memory_scheduler()   # before JAX starts its backend (fnrl.trainer.xla_flags)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--model-dir", required=True)
