@@ -241,4 +241,14 @@ class FillPrompts:
     num_groups: int
 
 
+@dataclass(frozen=True)
+class Reconfigure:
+    """Switch the rollout GPUs to instances of `tp` GPUs (OrchestrRL §6.3, from
+    `fnrl.policy.orchestr.replan`). Only the simulator acts on it
+    (`fnrl.sim.config.ClusterSpec.rollout_modes`): a vLLM server cannot change its
+    tensor-parallel size while it runs."""
+
+    tp: int
+
+
 CycleCommand = Pull | Route | Interrupt | Abort | Migrate | Consume | DropGroups | FillPrompts

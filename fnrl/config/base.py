@@ -34,10 +34,22 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+SIMULATOR_ONLY = {
+    "rollout_modes": "OrchestrRL's switch of tensor parallelism within a run is simulated "
+                     "only (python -m fnrl.sim --cluster.rollout-modes 2 8): a vLLM server "
+                     "cannot change its tensor-parallel size while it runs",
+}
+"""Keys a config file may carry from the simulator's configs, and why the real job refuses them."""
+
+
 def from_dict(cls: type, data: dict) -> Any:
     """Builds a config from a nested dict, naming any key the class does not have."""
     names = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(names))
+    for key in unknown:
+        if key in SIMULATOR_ONLY:
+            raise ValueError(f"config key {cls.__name__}.{key} is not for the real job: "
+                             f"{SIMULATOR_ONLY[key]}")
     if unknown:
         raise ValueError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}")
     kwargs = {}

@@ -12,6 +12,7 @@ and conditions on each unfinished request's progress:
     remaining_lengths    E[L − g | L > g] over the points left, g = tokens generated
     remaining_work       the same as a multiset: the conditional quantiles, for the plan
     bucketize            256-token buckets, each at its maximum (the paper's proxy)
+    replan               the periodic re-plan: all of the above into plan_parallelism
 
 Parallelism plan. `plan_parallelism` picks, among the candidate modes (TP degree d,
 one instance per d GPUs, d within a node), the one whose instances finish the
@@ -246,3 +247,20 @@ def plan_parallelism(problem: ParallelismProblem, remaining_N, context_N, *,
                          f"a node) and a request of {longest:.0f} tokens: modes "
                          f"{[(m.tp, m.kv_capacity) for m in problem.modes]}")
     return dataclasses.replace(best, candidates=tuple(candidates))
+
+
+def replan(problem: ParallelismProblem, history_SxQ, generated_N, context_N, *,
+           current_tp: int, len_max: int, requests_per_step: int,
+           smoothing: float = 0.5) -> ParallelismPlan:
+    """The planner's periodic run (§4.1): the forecast of the step's length distribution
+    from past steps' quantiles, each unfinished request's remaining decode conditioned
+    on its progress (`generated_N`; a queued one at 0 takes the forecast itself), and
+    the mode that finishes them soonest counting the switch from `current_tp`.
+
+    Gap (ours): the paper re-plans "periodically" from the remaining requests of the
+    step; with one step in flight at a time (its one-step pipeline) every unfinished
+    request is the step's, so no request is told apart by step here."""
+    points = step_distribution(forecast_quantiles(history_SxQ, smoothing=smoothing),
+                               requests_per_step)
+    remaining = remaining_work(generated_N, points, len_max=len_max)
+    return plan_parallelism(problem, remaining, context_N, current_tp=current_tp)

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 import time
 from collections import Counter
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,121 +27,18 @@ from fnrl.sim.config import SimConfig
 from fnrl.sim.coordinator import plan_for
 from fnrl.sim.engine import (CLOCK_RESOLUTION_S, GONE, IN_TS, QUEUED, RUNNING, TOOL, Instance,
                              Trajectories)
+from fnrl.sim.layout import layout, steady_throughput, stream_schedule
+from fnrl.sim.reconfig import replanner_for
 from fnrl.sim.workload import group_lengths, tool_latency, turn_ends
 from fnrl.types import (Abort, ClusterSnapshot, Consume, DropGroups, Evaluate, FillPrompts,
-                        Interrupt, Migrate, Pull, Route)
+                        Interrupt, Migrate, Pull, Reconfigure, Route)
 
-INST, PULL, TRAIN, TICK, TOOL_RETURN = range(5)     # event kinds
+INST, PULL, TRAIN, TICK, TOOL_RETURN, MODE_UP = range(6)     # event kinds
 MAX_CYCLES_AT_ONCE = 64                # cycles at one instant (cycle_s = 0) before it is a bug
 
 
 class StalenessViolation(AssertionError):
     """A consumed batch holds a token older than the bound allows: a coordinator bug."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Layout:
-    """What the cluster's GPUs do, and what each movement of weights costs."""
-
-    train_gpus: int
-    rollouts: int
-    kv_capacity: int
-    decode: costs.DecodeCosts
-    relay_position: tuple[int, ...]     # per rollout: its relay's place in the chain
-    publish_s: float                    # the trainer's stall after each step
-    pull_s: float                       # a rollout's load of one version
-    relay_arrival_s: tuple[float, ...]  # per rollout: a version reaches its relay after the master
-    colocated: bool
-    model: costs.ModelSpec
-    gpu: costs.GpuSpec
-    train: costs.TrainParams
-
-
-def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
-    c, table = cfg.cluster, table or costs.load_table()
-    gpu, model = costs.gpu_spec(c.gpu, table), costs.model_spec(c.model, table)
-    roof = costs.RooflineParams(**table.get("roofline", {}))
-    sync = costs.SyncParams(**table.get("sync", {}))
-    colocated = c.placement == "colocated"
-    train_gpus = cfg.gpus if colocated else (c.train_gpus or cfg.gpus // 2)
-    rollout_gpus = cfg.gpus if colocated else cfg.gpus - train_gpus
-    rollouts = rollout_gpus // c.rollout_tp
-    if rollouts < 1 or train_gpus < 1:
-        raise ValueError(f"invalid config gpus={cfg.gpus}: {train_gpus} trainer GPUs and "
-                         f"{rollout_gpus} rollout GPUs make no rollout of tp={c.rollout_tp}")
-    # The rollouts' copy: quantized (LlamaRL's fp8 generator) when rollout_dtype_bytes says so.
-    served = dataclasses.replace(model, dtype_bytes=c.rollout_dtype_bytes or model.dtype_bytes)
-    comm = (costs.tp_allreduce_s(model, gpu, c.rollout_tp, c.gpus_per_machine,
-                                 costs.tp_comm_params(table))
-            if c.tp_comm else (0.0, 0.0))
-    if c.decode == "roofline":
-        decode = costs.roofline_decode(served, gpu, c.rollout_tp, roof, comm)
-    elif c.decode in table.get("decode", {}):
-        # A fitted engine's coefficients; its prefill from the roofline.
-        decode = dataclasses.replace(costs.roofline_decode(served, gpu, c.rollout_tp, roof),
-                                     cost=costs.named_decode(c.decode, table))
-    else:
-        decode = costs.load_profiled(c.decode)
-    # The engine's share of each GPU and, colocated, the phase switch a step.
-    share, switch = c.memory_fraction or roof.kv_memory_fraction, 0.0
-    if colocated:
-        share, switch = costs.colocated_memory(
-            model, served, gpu, tp=c.rollout_tp, gpus=cfg.gpus, fraction=c.memory_fraction,
-            offload=c.train_offload, roof=roof, p=costs.ColocatedParams(**table.get("colocated", {})))
-    roof = dataclasses.replace(roof, kv_memory_fraction=share)
-    kv = c.kv_capacity_tokens or costs.kv_capacity_tokens(served, gpu, c.rollout_tp, roof)
-    w = cfg.workload
-    if kv < w.prompt_len + w.len_max + 1:
-        raise ValueError(f"invalid config cluster.kv_capacity_tokens={kv}: one trajectory "
-                         f"({w.prompt_len} + {w.len_max} tokens) does not fit")
-    nbytes = served.weight_bytes
-    if colocated:
-        publish, pull = 0.0, costs.colocated_sync_s(nbytes, c.rollout_tp, sync) + switch
-    elif c.weight_sync == "relay":
-        publish = costs.publish_stall_s(nbytes, sync)
-        pull = costs.relay_pull_s(nbytes, c.rollout_tp, gpu, sync)
-    else:   # the trainer waits for its broadcast; each rollout receives over the network
-        publish = pull = costs.nccl_sync_s(nbytes, c.rollout_tp, sync)
-    machine = [(r * c.rollout_tp) // c.gpus_per_machine for r in range(rollouts)]
-    arrive = [costs.chain_arrival_s(nbytes, m, sync) if c.weight_sync == "relay" and not colocated
-              else 0.0 for m in machine]
-    return Layout(train_gpus=train_gpus, rollouts=rollouts, kv_capacity=int(kv), decode=decode,
-                  relay_position=tuple(machine),
-                  publish_s=c.publish_s if c.publish_s >= 0 else publish,
-                  pull_s=c.pull_s if c.pull_s >= 0 else pull, relay_arrival_s=tuple(arrive),
-                  colocated=colocated, model=model, gpu=gpu,
-                  train=costs.TrainParams(**{**table.get("train", {}), "mfu": c.train_mfu}))
-
-
-def steady_throughput(records: list[dict], warmup: int) -> float:
-    """Trained prompt + response tokens per second after `warmup` steps: the tokens of
-    records[warmup:] over the time from the end of step `warmup` (0: the start) to the
-    last step's end."""
-    if not records[warmup:]:
-        return 0.0
-    start = records[warmup - 1]["wall_s"] if warmup > 0 else 0.0
-    return sum(r["seq_tokens"] for r in records[warmup:]) / max(records[-1]["wall_s"] - start, 1e-9)
-
-
-def stream_schedule(done_s: Sequence[float], free_s: float, now: float, piece_s: float,
-                    k: int) -> tuple[float, float]:
-    """Stream generation's trainer (Laminar Fig. 3c; `ClusterSpec.stream_minibatches`):
-    a batch's groups, in the order they finished (`done_s`), trained as k mini-batches of
-    `piece_s` each. Mini-batch j starts once its groups are done and the trainer is free
-    (`free_s`: the previous step's end, publish included); the last one not before `now`,
-    when the controller hands the whole batch over. Returns (first start, last start).
-
-    Gap (ours): the paper does not say how a step's batch splits; equal shares in
-    finishing order ("early mini-batches on short trajectories"), each costing 1/k of
-    the step, with nothing charged for the extra weight copy it keeps."""
-    done = sorted(done_s)
-    t, first = free_s, None
-    for j in range(k - 1):
-        start = max(t, done[math.ceil((j + 1) * len(done) / k) - 1])
-        first = start if first is None else first
-        t = start + piece_s
-    last = max(t, now)
-    return (last if first is None else first), last
 
 
 class Simulation:
@@ -156,10 +51,17 @@ class Simulation:
         self.plan = plan_for(cfg, self.lay.decode)
         self.eta = self.plan.cycle.staleness.eta
         self.trajs = Trajectories()
-        self.inst = [Instance(r, self.lay.decode, self.trajs, kv_capacity=self.lay.kv_capacity,
+        self.inst = [Instance(r, m.decode, self.trajs, kv_capacity=m.kv_capacity,
                               max_num_seqs=cfg.cluster.max_num_seqs,
                               hold_kv=cfg.workload.tool_holds_kv)
-                     for r in range(self.lay.rollouts)]
+                     for m in self.lay.modes for r in m.rids]
+        # Rollout modes (ClusterSpec.rollout_modes): only the current mode's instances are up.
+        self.mode = self.lay.modes[0]
+        self.up = np.zeros(self.lay.rollouts, bool)
+        self.up[self.mode.rids] = True
+        self.cap_R = np.array([i.cap for i in self.inst])
+        self.replanner = replanner_for(cfg, self.lay)
+        self.switching = None                 # (mode, weights' version) while a switch runs
         self.book = Book(trainer_version=0, steps_done=0)
         self.state = schedule.init_schedule(self.plan, [0] * self.lay.rollouts, v_train=0, steps_done=0)
         self.heap: list = []
@@ -296,6 +198,9 @@ class Simulation:
         if kind == TOOL_RETURN:
             self.tool_returned(a)
             return False
+        if kind == MODE_UP:
+            self.mode_up()
+            return True
         if a != self.tick_id:   # TICK: superseded by a later one
             return False
         self.tick_at = None
@@ -311,6 +216,12 @@ class Simulation:
             if schedule.finished(self.state, self.plan, trainer_idle=not self.book.trainer_busy):
                 self.done = True
                 return
+            if self.replanner is not None and self.switching is None:
+                gen = snap.traj_len_N - self.trajs.prompt[snap.traj_id_N]
+                cmd = self.replanner(self.now, self.mode.tp, gen, snap.traj_len_N)
+                if cmd is not None:
+                    self.act(cmd)
+                    snap = self.observe()
             t0, c0 = time.perf_counter(), time.process_time()
             pulling = any(i.pulling for i in self.inst)
             self.state, reset = schedule.reconcile(self.state, snap, pulls_in_flight=pulling)
@@ -358,7 +269,7 @@ class Simulation:
             now_s=now, ps_version=self.book.trainer_version, trainer_idle=not self.book.trainer_busy,
             inst_version_R=np.fromiter((i.version for i in self.inst), np.int64, R),
             inst_kv_used_R=kv_used.astype(np.float64), inst_kv_prev_R=self.kv_prev,
-            inst_kv_capacity_R=np.full(R, float(self.lay.kv_capacity)),
+            inst_kv_capacity_R=np.where(self.up, self.cap_R, 0.0),
             inst_num_complete_R=np.fromiter((i.complete for i in self.inst), np.int64, R),
             traj_id_N=live, traj_gid_N=tr.gid[live], traj_inst_N=np.where(state == IN_TS, -1, inst_of),
             traj_waiting_N=state == QUEUED, traj_len_N=length,
@@ -406,10 +317,39 @@ class Simulation:
             self.pull(cmd.rid)
         elif isinstance(cmd, Consume):
             self.consume(cmd)
+        elif isinstance(cmd, Reconfigure):
+            self.reconfigure(cmd.tp)
         elif isinstance(cmd, Evaluate):
             counts["evals_skipped"] += 1   # the simulator has no held-out set
         else:
             raise TypeError(f"unknown command {cmd!r}")
+
+    def reconfigure(self, tp: int) -> None:
+        """OrchestrRL's switch (§6.3): the current mode's trajectories go back to the
+        trajectory server with their tokens, its instances go down, and the new mode's
+        come up `switch_s` later with the weights the GPUs held."""
+        old, new = self.mode, next(m for m in self.lay.modes if m.tp == tp)
+        tr, n = self.trajs, self.trajs.n
+        for r in old.rids:
+            placed = np.flatnonzero((tr.inst[:n] == r) & np.isin(tr.state[:n], (QUEUED, RUNNING, TOOL)))
+            self._leave(r, placed.tolist())
+            self.book.counts["interrupted"] += len(placed)
+        self.up[old.rids] = False
+        self.switching = (new, max(self.inst[r].version for r in old.rids))
+        self.stats["reconfigures"] += 1
+        self.event("reconfigure", self.now, tp_from=old.tp, tp_to=tp)
+        self.push(self.now + self.cfg.cluster.switch_s, MODE_UP)
+
+    def mode_up(self) -> None:
+        (new, version), self.switching = self.switching, None
+        for r in new.rids:
+            inst = self.inst[r]
+            inst.advance(self.now)
+            inst.end_pull(self.now, max(inst.version, version))
+            self.dirty_inst.add(r)
+        self.up[new.rids] = True
+        self.mode = new
+        self.plan = plan_for(self.cfg, new.decode)   # routing's cost model: the new mode's
 
     def _continues(self, rid: int, tid: int) -> None:
         """Counts a placement that continues streamed tokens when its request starts, as
@@ -463,6 +403,10 @@ class Simulation:
 
     def pull(self, rid: int) -> None:
         inst, v = self.inst[rid], self.book.trainer_version
+        if not self.up[rid]:   # a mode that is down loads the weights it holds when it comes up
+            inst.version = v
+            self.book.counts["pulls_skipped_down"] += 1
+            return
         self.book.counts["pulls"] += 1
         inst.advance(self.now)
         inst.begin_pull()
@@ -470,7 +414,7 @@ class Simulation:
         # The version reaches this rollout's relay down the chain after the master has it.
         start = max(self.now, self.published[v] + self.lay.relay_arrival_s[rid])
         self.pull_started[rid] = self.now
-        self.push(start + self.lay.pull_s, PULL, rid, v)
+        self.push(start + self.lay.mode_of(rid).pull_s, PULL, rid, v)
         self.dirty_inst.add(rid)
 
     def _count_generated(self) -> None:
@@ -505,6 +449,8 @@ class Simulation:
         # and response tokens (`seq_tokens`).
         members = np.concatenate([np.arange(g * G, g * G + G) for g in cmd.gids])
         responses = tr.gen[members]
+        if self.replanner is not None:
+            self.replanner.record(responses)
         hist_list = [hist.get(k, 0) for k in range(max(hist, default=0) + 1)]
         self.training = {"tokens": int(responses.sum()), "seq_tokens": int(sum(seq_lens)),
                          "t0": self.now, "handed": self.now, "train_s": train_s,
@@ -569,7 +515,13 @@ class Simulation:
         # step also waits for its first batch).
         ends = [t for v, t in sorted(self.published.items()) if v >= 1]
         step_s = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else train_wall
-        busy = np.array([i.busy_s for i in self.inst])
+        # Shares of the rollout GPUs' time: with rollout_modes every mode's instances span
+        # the same GPUs (a mode that is down is not idle GPUs); otherwise per-rollout means.
+        tp_R = np.array([self.lay.mode_of(r).tp for r in range(self.lay.rollouts)])
+        gpus_R = len(self.lay.modes[0].rids) * self.lay.modes[0].tp
+
+        def idle(seconds) -> float:
+            return float(1.0 - np.minimum(np.asarray(seconds) / max(wall, 1e-9), 1.0) @ tp_R / gpus_R)
         return {"preset": self.cfg.preset, "gpus": self.cfg.gpus, "steps": b.steps_done,
                 "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
                 "trained_seq_tokens": self.seq_tokens,
@@ -581,11 +533,13 @@ class Simulation:
                 "staleness_checked_max": b.max_staleness, "eta": self.eta,
                 **{k: b.counts[k] for k in report.COUNT_KEYS},
                 **report.utilization(b, self.inst, wall),
-                "rollout_decode_idle_frac": float(np.mean(1.0 - np.minimum(busy / max(wall, 1e-9), 1.0))),
+                "rollout_idle_frac": idle([i.active_s for i in self.inst]),
+                "rollout_decode_idle_frac": idle([i.busy_s for i in self.inst]),
                 "preemptions": sum(i.preemptions for i in self.inst),
                 "engine_prefill_tokens": sum(i.prefill_tokens for i in self.inst),
                 "train_gpus": self.lay.train_gpus, "rollouts": self.lay.rollouts,
-                "rollout_gpus": self.lay.rollouts * self.cfg.cluster.rollout_tp,
+                "rollout_gpus": gpus_R, "reconfigures": self.stats["reconfigures"],
+                "mode_tp": self.mode.tp,
                 "kv_capacity_tokens": self.lay.kv_capacity, "publish_s": self.lay.publish_s,
                 "pull_s": self.lay.pull_s, "cost_model": dataclasses.asdict(self.lay.decode.cost),
                 "trajectories": self.trajs.n, "tool_calls": self.stats["tool_calls"],

@@ -32,7 +32,19 @@ class ClusterSpec:
     train_gpus: int = 0
     """Trainer GPUs when disaggregated (0: half of them)."""
     rollout_tp: int = 4
-    """GPUs per rollout instance."""
+    """GPUs per rollout instance (with rollout_modes: the mode the run starts in)."""
+    rollout_modes: tuple[int, ...] = ()
+    """TP degrees the rollout GPUs switch between within a run (OrchestrRL §4.1, §6.3:
+    8×TP2 → 2×TP8 as a step's wave drains). The simulator carries every mode's instances
+    over the same GPUs, the current mode's up and the others reporting no KV room, as
+    the real loop reports a rollout that is down; every `replan_s` OrchestrRL's planner
+    (fnrl.policy.orchestr.replan) may switch, at `switch_s`. Simulator only: a vLLM
+    server cannot change its TP while it runs, and the real job's config rejects it.
+    (): the deployment is fixed for the run."""
+    replan_s: float = 30.0
+    """With rollout_modes: seconds between two re-plans (the paper's period is not given)."""
+    switch_s: float = 14.0
+    """With rollout_modes: a switch's cost, no mode generating meanwhile (§6.3: ~14 s)."""
     gpus_per_machine: int = 8
     """One relay per rollout machine (Laminar)."""
     decode: str = "roofline"
@@ -91,6 +103,17 @@ class ClusterSpec:
               "must be in (0, 1]")
         check(0 <= self.memory_fraction <= 1, "ClusterSpec", "memory_fraction",
               self.memory_fraction, "must be in [0, 1] (0: the default)")
+        if self.rollout_modes:
+            check(self.rollout_tp in self.rollout_modes and all(
+                type(t) is int and 0 < t <= self.gpus_per_machine for t in self.rollout_modes),
+                "ClusterSpec", "rollout_modes", self.rollout_modes,
+                f"must be TP degrees in (0, gpus_per_machine={self.gpus_per_machine}] that "
+                f"include rollout_tp={self.rollout_tp} (the mode the run starts in)")
+            check(self.placement == "disaggregated" and self.shared_cores == 0, "ClusterSpec",
+                  "rollout_modes", self.rollout_modes,
+                  "needs placement='disaggregated' and shared_cores=0")
+            check(self.replan_s > 0, "ClusterSpec", "replan_s", self.replan_s, "must be > 0")
+            check(self.switch_s >= 0, "ClusterSpec", "switch_s", self.switch_s, "must be >= 0")
         check(not self.train_offload or self.placement == "colocated", "ClusterSpec",
               "train_offload", self.train_offload, "needs placement='colocated'")
         if self.stream_minibatches > 1:

@@ -123,7 +123,7 @@ def test_colocated_memory_by_hand():
 def test_colocated_memory_in_the_layout():
     import dataclasses
 
-    from fnrl.sim.cluster import layout
+    from fnrl.sim.layout import layout
     from fnrl.sim.config import ClusterSpec, SimConfig
 
     # Qwen2.5-7B colocated on 16 H100s at TP 2: 16 · 7.6e9 / 16 = 7.6 GB resident, so the

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from fnrl.sim.cluster import layout, plan_for
+from fnrl.sim.coordinator import plan_for
+from fnrl.sim.layout import layout
 from fnrl.sim.config import ABLATIONS
 from fnrl.sim.repro import SETUPS, Setup
 from fnrl.sim.repro import ablate as ab

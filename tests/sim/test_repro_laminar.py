@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from fnrl.sim.cluster import Simulation, layout, steady_throughput
+from fnrl.sim.cluster import Simulation
+from fnrl.sim.layout import layout, steady_throughput
 from fnrl.sim.repro import SETUPS, reproduce
 from fnrl.sim.repro import laminar
 

@@ -8,7 +8,7 @@ import pytest
 
 from fnrl.policy.split import colocated_memory, generator_memory
 from fnrl.sim import costs
-from fnrl.sim.cluster import layout
+from fnrl.sim.layout import layout
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.repro import SETUPS, reproduce
 from fnrl.sim.repro import llamarl

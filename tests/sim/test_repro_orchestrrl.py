@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from fnrl.sim import costs
-from fnrl.sim.cluster import layout
+from fnrl.sim.layout import layout
 from fnrl.sim.coordinator import plan_for
 from fnrl.sim.repro import SETUPS, reproduce
 from fnrl.sim.repro import orchestrrl
@@ -80,6 +80,8 @@ def test_a_quick_run_of_the_headline_case(monkeypatch):
     assert set(runs) == {"verl_to", "verl_lo", "pr", "orchestrrl", "fnrl"}
     assert all(r["steps"] == 2 and r["trained_seq_tokens_per_s"] > 0 for r in runs.values())
     assert runs["verl_to"]["rollouts"] == 8 and runs["verl_lo"]["rollouts"] == 2
+    # OrchestrRL carries every mode that fits (TP 1, 2, 4, 8 of 16 GPUs: 30 instances).
+    assert runs["orchestrrl"]["rollouts"] == 30 and runs["orchestrrl"]["rollout_gpus"] == 16
     assert runs["verl_to"]["staleness_checked_max"] <= 1
     assert runs["verl_to"]["migrated"] == 0 and runs["pr"]["interrupted"] > 0
     (row,) = res.rows()

@@ -9,7 +9,7 @@ import pytest
 
 import fnrl.sim.cluster
 from fnrl.sim import costs
-from fnrl.sim.cluster import layout
+from fnrl.sim.layout import layout
 from fnrl.sim.repro import SETUPS, reproduce
 from fnrl.sim.repro import PairsClaim
 from fnrl.sim.repro.staleflow import config, setup, tune_split

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fnrl.config import CostModel
-from fnrl.sim.cluster import Simulation, StalenessViolation, stream_schedule
+from fnrl.sim.cluster import Simulation, StalenessViolation
+from fnrl.sim.layout import stream_schedule
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.costs import DecodeCosts
 from fnrl.sim.engine import Instance, Trajectories

@@ -29,7 +29,8 @@ from typing import Callable
 import numpy as np
 
 from fnrl.control.metrics import staleness_histogram
-from fnrl.sim.cluster import Simulation, layout
+from fnrl.sim.cluster import Simulation
+from fnrl.sim.layout import layout
 from fnrl.sim.coordinator import plan_for
 from fnrl.sim.config import ABLATIONS, ENABLES, SimConfig
 from fnrl.sim.repro import SETUPS

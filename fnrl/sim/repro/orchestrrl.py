@@ -10,15 +10,16 @@ halves of the GPUs, §6.1):
   pr          partial rollout over veRL-TO: responses carried over to the next version
               (the `partial_rollout` preset, η = 2);
   orchestrrl  the `one_step` coordinator with OrchestrRL's reactive balancer
-              (fnrl.policy.balance) on the deployment its proactive planner
-              (fnrl.policy.orchestr) picks for the forecast step;
+              (fnrl.policy.balance), starting on the deployment its proactive planner
+              (fnrl.policy.orchestr) picks for the forecast step, and re-planning every
+              30 s over every TP degree that fits (ClusterSpec.rollout_modes): a switch
+              costs 14 s (§6.3) and sends the old mode's trajectories back to be re-routed;
   fnrl        the `fnrl` preset on veRL-TO's deployment.
 The headline setup (Qwen-14B, 25K: "up to 1.40×") has the bare labels; the other three
 carry "@14b-15k", "@32b-15k", "@32b-25k".
 
-The simulator's deployment is fixed for a run, so the planner's plan is applied once,
-for the whole run (`rollout_tp`), from a forecast of the step's length distribution;
-OrchestrRL's switch within a step (8×TP2 → 2×TP8 at ~272 s, §6.3) is not simulated.
+The planner's first plan uses a forecast from past steps of the same workload; each
+re-plan adds the run's own trained steps (fnrl.sim.reconfig).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import numpy as np
 from fnrl.policy import orchestr
 from fnrl.sim import costs
 from fnrl.sim.config import ClusterSpec, SimConfig
+from fnrl.sim.reconfig import prior_history
 from fnrl.sim.repro import Claim, Setup, register
-from fnrl.sim.workload import WorkloadSpec, group_lengths
+from fnrl.sim.workload import WorkloadSpec
 
 # (label suffix, model, GPUs, generation length, paper's speedup over veRL-TO) — §6.1.
 CASES = (("", "qwen2.5-14b", 32, 25 * 1024, 1.40),
@@ -39,9 +41,8 @@ CASES = (("", "qwen2.5-14b", 32, 25 * 1024, 1.40),
          ("@32b-15k", "qwen2.5-32b", 48, 15 * 1024, 1.32),
          ("@32b-25k", "qwen2.5-32b", 48, 25 * 1024, 1.34))
 TP_TO, TP_LO = 2, 8                   # §6.3
+REPLAN_S, SWITCH_S = 30.0, 14.0       # the re-plan period (not given) and a switch (§6.3)
 CANDIDATE_TP = (1, 2, 4, 8)           # TP within one 8-GPU node (§4.1 heuristic 2)
-HISTORY_STEPS, HISTORY_SEED = 4, 1_000_003   # the forecast's past steps, drawn apart
-QUANTILES = 128       # fine enough that the forecast keeps the tail (top: the 99.6th)
 
 
 def workload(len_max: int, groups: int) -> WorkloadSpec:
@@ -74,12 +75,8 @@ def modes(model: str, len_max: int, table: dict | None = None) -> tuple[orchestr
 def plan(model: str, gpus: int, spec: WorkloadSpec) -> orchestr.ParallelismPlan:
     """The planner on a fresh step: the forecast of past steps' length quantiles (drawn
     from the same workload with their own seed), as one length per request."""
-    per_step = spec.groups_per_step
-    history = [orchestr.step_quantiles(np.concatenate(
-        [group_lengths(spec, HISTORY_SEED, s * per_step + g, 0.0) for g in range(per_step)]),
-        QUANTILES) for s in range(HISTORY_STEPS)]
-    forecast = orchestr.forecast_quantiles(history)
-    n = per_step * spec.group_size
+    forecast = orchestr.forecast_quantiles(prior_history(spec))
+    n = spec.groups_per_step * spec.group_size
     points = orchestr.step_distribution(forecast, n)
     remaining = orchestr.remaining_work(np.zeros(n), points, len_max=spec.len_max)
     problem = orchestr.ParallelismProblem(gpus=gpus // 2, modes=modes(model, spec.len_max))
@@ -97,17 +94,20 @@ def setup(quick: bool) -> Setup:
                      f"{chosen.instances}×TP{chosen.tp}; its makespan estimates per TP: "
                      + ", ".join(f"TP{tp} {s:.0f} s" for tp, s in chosen.candidates))
 
-        def sim(preset: str, tp: int, enable: tuple[str, ...] = ()) -> SimConfig:
+        def sim(preset: str, tp: int, enable: tuple[str, ...] = (),
+                rollout_modes: tuple[int, ...] = ()) -> SimConfig:
             return SimConfig(preset=preset, gpus=gpus, steps=steps, enable=enable, plots=False,
                              cluster=ClusterSpec(model=model, gpu="h800", train_gpus=gpus // 2,
-                                                 rollout_tp=tp, tp_comm=True),
+                                                 rollout_tp=tp, tp_comm=True, rollout_modes=rollout_modes,
+                                                 replan_s=REPLAN_S, switch_s=SWITCH_S),
                              workload=spec)
 
         # verl's one-step pipeline syncs weights at stage boundaries, all rollouts at once.
         runs[f"verl_to{suffix}"] = sim("one_step", TP_TO, ("global_sync",))
         runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO, ("global_sync",))
         runs[f"pr{suffix}"] = sim("partial_rollout", TP_TO)
-        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance", "global_sync"))
+        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance", "global_sync"),
+                                          tuple(m.tp for m in modes(model, len_max)))
         runs[f"fnrl{suffix}"] = sim("fnrl", TP_TO)
         name = f"{model.removeprefix('qwen2.5-').upper()}, {gpus} GPUs, {len_max // 1024}K"
         claims.append(Claim(name=f"OrchestrRL / veRL-TO ({name})", system=f"orchestrrl{suffix}",
@@ -134,9 +134,11 @@ def setup(quick: bool) -> Setup:
             "boundaries: every rollout pulls at once, once all have run dry (global_sync).",
             "The planner's forecast: 4 past steps of the same workload (their own seed), "
             "ARIMA(0,1,1) with smoothing 0.5 on 128 quantiles; candidates TP 1, 2, 4, 8.",
-            "The plan is applied once per run: the simulator's deployment cannot change "
-            "within a step, so the 8×TP2 → 2×TP8 switch (§6.3) and its 14 s are not "
-            "simulated.",
+            "OrchestrRL starts on the plan for a fresh step and re-plans every 30 s (the "
+            "paper's period is not given) over the TP degrees that fit; a switch costs 14 s "
+            "(§6.3), with no instance generating meanwhile, and sends the old mode's "
+            "trajectories back to the trajectory server with their tokens, to be re-routed "
+            "and re-prefilled.",
             "Balancer θ = 0.5 and at most 64 moves a cycle (BalanceConfig defaults); "
             "decision cycles at least 1 s apart (the paper's interval is not given).",
             "fnrl runs on veRL-TO's deployment (TP 2) with its own η = 2."),
