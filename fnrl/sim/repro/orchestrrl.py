@@ -12,8 +12,9 @@ halves of the GPUs, §6.1):
   orchestrrl  the `one_step` coordinator with OrchestrRL's reactive balancer
               (fnrl.policy.balance), starting on the deployment its proactive planner
               (fnrl.policy.orchestr) picks for the forecast step, and re-planning every
-              30 s over every TP degree that fits (ClusterSpec.rollout_modes): a switch
-              costs 14 s (§6.3) and sends the old mode's trajectories back to be re-routed;
+              30 s over every TP degree whose instance holds a whole trajectory
+              (ClusterSpec.rollout_modes): a switch costs 14 s (§6.3) and sends the
+              old mode's trajectories back to be re-routed;
   fnrl        the `fnrl` preset on veRL-TO's deployment.
 The headline setup (Qwen-14B, 25K: "up to 1.40×") has the bare labels; the other three
 carry "@14b-15k", "@32b-15k", "@32b-25k".
@@ -107,7 +108,8 @@ def setup(quick: bool) -> Setup:
         runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO, ("global_sync",))
         runs[f"pr{suffix}"] = sim("partial_rollout", TP_TO)
         runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance", "global_sync"),
-                                          tuple(m.tp for m in modes(model, len_max)))
+                                          tuple(m.tp for m in modes(model, len_max)
+                                                if m.kv_capacity > spec.prompt_len + len_max))
         runs[f"fnrl{suffix}"] = sim("fnrl", TP_TO)
         name = f"{model.removeprefix('qwen2.5-').upper()}, {gpus} GPUs, {len_max // 1024}K"
         claims.append(Claim(name=f"OrchestrRL / veRL-TO ({name})", system=f"orchestrrl{suffix}",
@@ -135,8 +137,9 @@ def setup(quick: bool) -> Setup:
             "The planner's forecast: 4 past steps of the same workload (their own seed), "
             "ARIMA(0,1,1) with smoothing 0.5 on 128 quantiles; candidates TP 1, 2, 4, 8.",
             "OrchestrRL starts on the plan for a fresh step and re-plans every 30 s (the "
-            "paper's period is not given) over the TP degrees that fit; a switch costs 14 s "
-            "(§6.3), with no instance generating meanwhile, and sends the old mode's "
+            "paper's period is not given) over the TP degrees whose instance holds a whole "
+            "trajectory; a switch costs 14 s (§6.3), with no instance generating "
+            "meanwhile, and sends the old mode's "
             "trajectories back to the trajectory server with their tokens, to be re-routed "
             "and re-prefilled.",
             "Balancer θ = 0.5 and at most 64 moves a cycle (BalanceConfig defaults); "
