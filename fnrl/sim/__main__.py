@@ -20,7 +20,7 @@ KEYS = ("steps", "train_wall_s", "trained_tokens_per_s", "trained_seq_tokens_per
 def main(argv=None) -> dict:
     cfg = tyro.cli(SimConfig, args=argv, description=__doc__)
     summary = simulate(cfg)
-    for k in KEYS:
+    for k in KEYS + (("reconfigures", "mode_tp") if cfg.cluster.rollout_modes else ()):
         v = summary[k]
         print(f"{k:>24} {v:.4g}" if isinstance(v, float) else f"{k:>24} {v}")
     print(f"-> {run_dir_for(cfg)}")
