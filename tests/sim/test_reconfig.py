@@ -8,10 +8,11 @@ import pytest
 from fnrl.config.base import from_dict
 from fnrl.config.run import RunConfig
 from fnrl.config import CostModel
-from fnrl.policy.orchestr import Mode, ParallelismProblem, replan
+from fnrl.policy.orchestr import Mode, ParallelismProblem, instance_makespan, replan
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.engine import GONE
+from fnrl.sim.engine import GONE, Instance, Trajectories
+from fnrl.sim.layout import layout
 from fnrl.sim.repro.orchestrrl import workload
 from fnrl.types import Reconfigure
 
@@ -118,6 +119,45 @@ def test_a_switch_mid_step_sends_the_old_modes_trajectories_back_with_their_toke
     assert all(0 < i.busy_s <= sim.now - (t + 14.0) for i in sim.inst[8:])
     assert [(e["tp_from"], e["tp_to"]) for e in sim.timeline
             if e.get("event") == "reconfigure"] == [(2, 8)]
+
+
+def drain_s(mode, lengths, prompt: int) -> tuple[float, int]:
+    """The simulated engine of one instance of `mode`, given every request at t = 0:
+    when the last one finishes, and its preemptions."""
+    tr = Trajectories()
+    inst = Instance(0, mode.decode, tr, kv_capacity=mode.kv_capacity, max_num_seqs=1024)
+    for i, n in enumerate(lengths):
+        for tid in tr.add(i, prompt, np.array([n])):
+            inst.enqueue(tid)
+    now = 0.0
+    inst.admit(now)
+    while (ev := inst.next_event()) is not None:
+        now = ev[0]
+        inst.on_event(now, ev[1])
+        inst.admit(now)
+    assert not inst.queue and inst.n == 0
+    return now, inst.preemptions
+
+
+@pytest.mark.parametrize("requests,tolerance", [(1024, 0.01), (4096, 0.04)])
+def test_the_planners_model_agrees_with_the_engine_it_plans_for(requests, tolerance):
+    """F_m (`instance_makespan`) against the engine draining the same share of a step
+    (dealt longest first, as the plan deals it) on one instance of each mode: 14B on
+    H800 with its all-reduces. Within 1% where the KV holds every request; within 4%
+    at 4× the batch, where the engine preempts (measured: 3.7% over at TP 2)."""
+    lay = layout(sim_config(modes=(2, 4, 8), tp=2, groups=requests // 8))
+    lengths = np.minimum(np.random.default_rng(0).lognormal(np.log(3072), 0.8, requests),
+                         25 * 1024).astype(int)
+    order = np.argsort(-lengths, kind="stable")
+    preempted = 0
+    for m in lay.modes:
+        share = lengths[order[0::len(m.rids)]]
+        planned = instance_makespan(Mode(tp=m.tp, cost=m.decode.cost, kv_capacity=m.kv_capacity),
+                                    share.astype(float), np.full(len(share), 512.0))
+        engine, preemptions = drain_s(m, share, 512)
+        assert planned == pytest.approx(engine, rel=tolerance), m.tp
+        preempted += preemptions
+    assert (preempted > 0) == (requests > 1024)
 
 
 def test_configs_that_cannot_switch_are_refused():
