@@ -10,14 +10,17 @@ from fnrl.sim.workload import WorkloadSpec
 PLACEMENTS = ("disaggregated", "colocated")
 WEIGHT_SYNCS = ("relay", "nccl")
 ABLATIONS = ("repack", "balance", "migration", "lazy_sync", "routing", "sampler", "eta")
-ENABLES = ("repack", "balance", "migration", "lazy_sync", "global_sync")
+ENABLES = ("repack", "balance", "migration", "lazy_sync", "global_sync", "dispatch")
 """What `SimConfig.ablate` switches off (fnrl.sim.coordinator.plan_for): Laminar's repack,
 OrchestrRL's balancer, StaleFlow's migration (Alg. 5), StaleFlow's lazy sync (Alg. 4,
 replaced by its §6.5 "vanilla" sync: pull whenever behind), StaleFlow's waterfall routing
 (Alg. 3, replaced by its §6.5 "vanilla" routing: the fewest trajectories), the sampler
 (the head buffer trained as the protocol filled it) and the looser staleness bound (η
-down to one_step's). `SimConfig.enable` takes the first four, and "global_sync": verl's
-global weight sync (`RoutingConfig.sync="global"`) for the verl-built baselines."""
+down to one_step's). `SimConfig.enable` takes the first four, and for the verl-built
+baselines "global_sync", verl's global weight sync (`RoutingConfig.sync="global"`), and
+"dispatch", verl's dispatch: every trajectory in the trajectory server routed at once,
+spread by count (the fewest-trajectories routing with no cap a cycle), each engine
+queueing and preempting what does not fit, in place of StaleFlow's admission."""
 
 
 @dataclass(frozen=True, kw_only=True)

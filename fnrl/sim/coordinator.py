@@ -17,8 +17,9 @@ def _switch(coord, name: str, on: bool):
     Off: lazy sync becomes greedy (StaleFlow's vanilla sync, §6.5), routing the fewest
     trajectories (its vanilla routing), the sampler the
     protocol's head buffer (§4.2), η the one-step bound (the least that keeps generation
-    overlapped with training). `enable` takes the first four and "global_sync"
-    (config.ENABLES): every rollout pulls at once, once all have run dry."""
+    overlapped with training). `enable` takes the first four, "global_sync"
+    (config.ENABLES: every rollout pulls at once, once all have run dry) and "dispatch"
+    (every waiting trajectory routed at once, by count; the engines queue)."""
     routing = coord.routing
     if name == "repack":
         return dataclasses.replace(coord, use_repack=on)
@@ -31,6 +32,9 @@ def _switch(coord, name: str, on: bool):
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync=sync))
     if name == "global_sync":   # enable only (config.ENABLES)
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, sync="global"))
+    if name == "dispatch":      # enable only: verl hands each replica its share at once
+        return dataclasses.replace(coord, routing=dataclasses.replace(
+            routing, policy="fewest", max_routes=None))
     if name == "routing":
         policy = "waterfall" if on else "fewest"
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, policy=policy))

@@ -50,6 +50,7 @@ def test_table2_placements(model, gpus, train, rollouts_verl, rollouts_laminar, 
         assert max(lay.relay_position) == machines - 1
         assert (max(lay.relay_arrival_s) > 0) == (machines > 1)
     assert laminar.config("verl", model, gpus).preset == "sync"
+    assert laminar.config("verl", model, gpus).enable == ("dispatch",)
     # verl's engine gets 0.5 of each GPU beside the trainer's resident state:
     # (TP · 80e9 · 0.5 − 2 · params) / KV bytes a token.
     params, kv_token, tp = {"7b": (7.6e9, 57344, 2), "32b": (32.8e9, 262144, 4),
@@ -67,7 +68,7 @@ def test_one_step_and_stream_placements(model, gpus, train, rollouts):
         cfg = laminar.config(system, model, gpus)
         lay = layout(cfg)
         assert cfg.preset == "one_step" and cfg.cluster.weight_sync == "nccl"
-        assert cfg.enable == ("global_sync",)
+        assert cfg.enable == ("global_sync", "dispatch")
         assert not lay.colocated and lay.train_gpus == train and lay.rollouts == rollouts
         assert cfg.cluster.stream_minibatches == (4 if system == "stream" else 1)
 

@@ -75,7 +75,8 @@ def test_quick_setup_runs_and_bounds_staleness():
     s = setup(True)
     assert set(s.runs) == {"VeRL", "VeRL-Pipeline", "VeRL-Async-eta1", "StaleFlow-eta1", "fnrl"}
     assert s.runs["VeRL"].cluster.placement == "colocated" and s.runs["VeRL"].preset == "sync"
-    assert s.runs["VeRL-Pipeline"].enable == ("global_sync",)
+    assert s.runs["VeRL-Pipeline"].enable == ("global_sync", "dispatch")
+    assert s.runs["VeRL"].enable == s.runs["VeRL-Async-eta1"].enable == ("dispatch",)
     assert [c.paper for c in s.claims] == [2.01, 1.52, 1.17]
     res = reproduce("staleflow", seeds=(0,), quick=True, log=lambda _: None)
     for label, summary in res.summaries[0].items():

@@ -10,7 +10,9 @@ lists each point.
 
 Each point runs five systems on one workload:
 - `verl`: the `sync` preset colocated on every GPU (Table 2: "colocated allocation which
-  uses all the GPUs for train and rollout alternately"), rollout TP 2 for 7B (App. A.3);
+  uses all the GPUs for train and rollout alternately"), rollout TP 2 for 7B (App. A.3),
+  each replica handed its share of the batch at once, as verl does (`dispatch`; so are
+  `one_step`'s and `stream`'s);
 - `one_step`: the `one_step` preset (η = 1) with verl's global weight sync (every
   rollout pulls at once, once all have run dry: Fig. 3b, "weights are synced GPU-direct
   at a global point"), Table 2's One-step Staleness split, verl's rollout TP, NCCL;
@@ -92,6 +94,9 @@ ASSUMPTIONS = (
     "run dry), weights by NCCL broadcast. "
     "Stream trains each step as 4 equal mini-batches in the order groups finished "
     "(Table 3's 2,048 of 8,192); the extra weight copy it keeps costs nothing here.",
+    "verl, One-step and Stream route as verl does: each vLLM replica gets its share of "
+    "the waiting requests at once, by count, and queues what does not fit (dispatch), "
+    "not by StaleFlow's admission.",
     "Trajectories are single-turn (the math task of Fig. 11); no tool latency.",
     "Decision cycles at least 5 s apart (Laminar's repack period, §5.1).",
     "5 warm-up iterations where the paper has 10 (§8), to fit the 225 runs in a session.",
@@ -112,6 +117,7 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
         preset = "sync"
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="colocated",
                               rollout_tp=verl_tp, memory_fraction=VERL_MEMORY_FRACTION)
+        enable = ("dispatch",)       # verl hands each replica its share of the batch
     elif system in ("one_step", "stream"):
         preset = "one_step"
         train, rollout = ONE_STEP_SPLIT[model][gpus]
@@ -119,7 +125,7 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
         cluster = ClusterSpec(model=MODEL[model], gpu="h800", placement="disaggregated",
                               train_gpus=train, rollout_tp=verl_tp, weight_sync="nccl",
                               stream_minibatches=STREAM_MINIBATCHES if system == "stream" else 1)
-        enable = ("global_sync",)
+        enable = ("global_sync", "dispatch")
     else:
         preset = system
         train, rollout = LAMINAR_SPLIT[model][gpus]

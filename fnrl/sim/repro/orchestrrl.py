@@ -103,11 +103,13 @@ def setup(quick: bool) -> Setup:
                                                  replan_s=REPLAN_S, switch_s=SWITCH_S),
                              workload=spec)
 
-        # verl's one-step pipeline syncs weights at stage boundaries, all rollouts at once.
-        runs[f"verl_to{suffix}"] = sim("one_step", TP_TO, ("global_sync",))
-        runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO, ("global_sync",))
-        runs[f"pr{suffix}"] = sim("partial_rollout", TP_TO)
-        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp, ("balance", "global_sync"),
+        # verl's one-step pipeline syncs weights at stage boundaries, all rollouts at once,
+        # and hands each replica its share of the batch (every system but fnrl is verl's).
+        runs[f"verl_to{suffix}"] = sim("one_step", TP_TO, ("global_sync", "dispatch"))
+        runs[f"verl_lo{suffix}"] = sim("one_step", TP_LO, ("global_sync", "dispatch"))
+        runs[f"pr{suffix}"] = sim("partial_rollout", TP_TO, ("dispatch",))
+        runs[f"orchestrrl{suffix}"] = sim("one_step", chosen.tp,
+                                          ("balance", "global_sync", "dispatch"),
                                           tuple(m.tp for m in modes(model, len_max)
                                                 if m.kv_capacity > spec.prompt_len + len_max))
         runs[f"fnrl{suffix}"] = sim("fnrl", TP_TO)
@@ -134,6 +136,9 @@ def setup(quick: bool) -> Setup:
             "Training: the FLOPs model at 35% MFU (costs.toml); weights by the relay.",
             "veRL-TO, veRL-LO and OrchestrRL (one-step, built on verl) sync weights at stage "
             "boundaries: every rollout pulls at once, once all have run dry (global_sync).",
+            "Every system built on verl (all but fnrl) routes as verl does: each vLLM replica "
+            "gets its share of the waiting requests at once, by count, and queues what does "
+            "not fit (dispatch), not by StaleFlow's admission.",
             "The planner's forecast: 4 past steps of the same workload (their own seed), "
             "ARIMA(0,1,1) with smoothing 0.5 on 128 quantiles; candidates TP 1, 2, 4, 8.",
             "OrchestrRL starts on the plan for a fresh step and re-plans every 30 s (the "

@@ -8,15 +8,18 @@ like VeRL; §6.5 uses 3). Each baseline is a preset of fnrl.experiments.presets,
 real coordinator:
 
   VeRL           `sync`, colocated on all 128 GPUs (§6.1: "rollout and training share
-                 the same resources and execute sequentially").
+                 the same resources and execute sequentially"). Every VeRL system hands
+                 each replica its share of the waiting requests at once, as verl does
+                 (`enable=("dispatch",)`), not StaleFlow's admission.
   VeRL-Pipeline  `one_step`, disaggregated: one batch in flight on a one-version-old
                  model (§6.1), η fixed at 1, with verl's global weight sync (every
                  rollout pulls at once, once all have run dry: `enable=("global_sync",)`).
   VeRL-Async     `partial_rollout` at the same η as StaleFlow: the in-flight data is
                  bounded by (η + 1) × batch and every new version interrupts, pulls and
                  resumes (§2.2: strict staleness control, partial rollout only), with
-                 routing to the instance with the fewest trajectories (`ablate=
-                 ("routing",)`): all three of StaleFlow's strategies vanilla, which §6.5
+                 routing to the instance with the fewest trajectories, every waiting one
+                 at once (`enable=("dispatch",)`: §6.5's vanilla routing without a cap
+                 a cycle): all three of StaleFlow's strategies vanilla, which §6.5
                  finds "closely matches" VeRL-Async.
   StaleFlow      `staleflow` at η (lazy sync, waterfall routing, migration; μ = 0.3,
                  φ_wait = 3, φ_throughput = 5 are RoutingConfig's defaults, §6.1's values).
@@ -96,12 +99,13 @@ def setup(quick: bool = False) -> Setup:
         cfg, splits[label] = tune_split(cfg)
         return cfg
 
-    runs = {"VeRL": config("sync", placement="colocated", quick=quick),
+    # The VeRL systems route as verl does (dispatch): each replica its share at once.
+    runs = {"VeRL": config("sync", placement="colocated", quick=quick, enable=("dispatch",)),
             "VeRL-Pipeline": disaggregated("VeRL-Pipeline", "one_step",
-                                           enable=("global_sync",))}
+                                           enable=("global_sync", "dispatch"))}
     for eta in etas:
         runs[f"VeRL-Async-eta{eta}"] = disaggregated(f"VeRL-Async-eta{eta}", "partial_rollout",
-                                                     eta, ablate=("routing",))
+                                                     eta, enable=("dispatch",))
         runs[f"StaleFlow-eta{eta}"] = disaggregated(f"StaleFlow-eta{eta}", "staleflow", eta)
     runs["fnrl"] = disaggregated("fnrl", "fnrl", min(FNRL_ETA, max(etas)))
 
