@@ -5,7 +5,7 @@ simulator (issue 13; docs/simulation.md, OrchestrRL, "The switch within a run").
         [--model qwen2.5-14b] [--gpus 32] [--len-max 25600]
 
 OrchestrRL's reproduction setup (fnrl/sim/repro/orchestrrl.py: one-step asynchronous,
-the balancer, verl's global sync, half the GPUs for generation, TP all-reduces charged)
+the balancer, verl's global sync and dispatch, half the GPUs for generation, TP all-reduces charged)
 at `--groups` prompts × 8 a step (the reproduction's is 128). For each fixed TP degree,
 and for runs that start on one degree and may switch (`ClusterSpec.rollout_modes`,
 re-planned every 30 s, 14 s a switch), prints trained tokens per second (median and
@@ -28,7 +28,7 @@ SWITCHING = (((2, 4, 8), 2), ((2, 8), 2), ((2, 4, 8), 8))   # (modes, the one it
 
 def run(args, seed: int, tp: int, rollout_modes: tuple[int, ...] = ()) -> tuple[float, list]:
     cfg = SimConfig(preset="one_step", gpus=args.gpus, steps=args.steps, seed=seed, plots=False,
-                    enable=("balance", "global_sync"),
+                    enable=("balance", "global_sync", "dispatch"),
                     cluster=ClusterSpec(model=args.model, gpu="h800", train_gpus=args.gpus // 2,
                                         rollout_tp=tp, tp_comm=True, rollout_modes=rollout_modes,
                                         replan_s=REPLAN_S, switch_s=SWITCH_S),

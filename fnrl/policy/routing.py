@@ -274,8 +274,9 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
 
     `policy="fewest"` (§6.5's vanilla routing, `RoutingConfig.policy`) scores a rollout
     by minus its trajectory count instead of its gain, takes the best admissible one over
-    every version group, and never withholds; queue order and the protocol's checks are
-    the same.
+    every version group, and withholds only when every admissible rollout is down (KV
+    capacity 0, as the loop reports a rollout that is down); queue order and the
+    protocol's checks are the same.
     """
     fewest = policy == "fewest"
     cost = view.cost
@@ -325,7 +326,7 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
         v_traj = v_traj if v_traj >= 0 else new_v.get(g, -1)
         q = quantize_length(length, gain_resolution)
         if fewest and gain is None:
-            gain = -(n + n_wait)
+            gain = np.where(cap > 0, -(n + n_wait), -np.inf)   # a down rollout takes none
             best = [a + int(np.argmax(gain[a:b])) for a, b in bounds]
             best_val = [float(gain[j]) for j in best]
         elif not fewest and q != gain_len:
@@ -346,7 +347,7 @@ def route(view: WorkingView, staleness: StalenessState, empties: list[int], mu: 
             if (gv < v_traj) if v_traj >= 0 else not admissible[gi]:
                 continue
             if fewest:
-                if chosen < 0 or best_val[gi] > gain[chosen]:
+                if best_val[gi] > -np.inf and (chosen < 0 or best_val[gi] > gain[chosen]):
                     chosen = best[gi]
             elif best_val[gi] >= threshold and best_val[gi] > 0:
                 chosen = best[gi]

@@ -290,6 +290,7 @@ class Simulation:
         if isinstance(cmd, FillPrompts):
             self.fill(cmd.num_groups)
         elif isinstance(cmd, Route):
+            assert self.up[cmd.rid], f"routed to rollout {cmd.rid}, which is down"
             for tid in cmd.tids:
                 assert tr.state[tid] == IN_TS, (tid, tr.state[tid])
                 self._continues(cmd.rid, tid)
@@ -300,6 +301,7 @@ class Simulation:
             self._leave(cmd.rid, cmd.tids)
             counts["interrupted"] += len(cmd.tids)
         elif isinstance(cmd, Migrate):
+            assert self.up[cmd.dst], f"migrated to rollout {cmd.dst}, which is down"
             self._leave(cmd.src, cmd.tids)
             for tid in cmd.tids:
                 self._continues(cmd.dst, tid)

@@ -228,3 +228,22 @@ def test_fewest_routing_balances_counts_and_keeps_the_version_checks():
     assert plan.waits[1] == [True, True]          # queued behind rollout 1's waiting one
     waterfall = route(WorkingView(snap, versions, cost), s, st.empty_counts(s), 0.3)
     assert 1 not in waterfall.routes and waterfall.routes[3][0] == 12
+
+
+def test_fewest_routing_passes_a_down_rollout_by():
+    """A rollout that is down reports a KV capacity of 0 (the loop; the simulator's modes
+    that are not up). The waterfall never routes there (nothing fits); the fewest
+    routing, which never withholds for load, must not either, however empty it is: the
+    four new trajectories go to rollouts 0 and 2 only, and with every rollout down none
+    is routed."""
+    cost = CostModel(k1=0.001, k2=1.0, k3=0.0, k4=0.0)
+    trajs = [(1, 1, 0, 0, 50), (2, 2, 2, 0, 50)] + [(10 + i, 9, -1, 0, 10) for i in range(4)]
+    snap = snapshot(versions=[0, 0, 0], kv=[50.0, 0.0, 50.0], cap=1000.0, trajs=trajs)
+    snap = dataclasses.replace(snap, inst_kv_capacity_R=np.array([1000.0, 0.0, 1000.0]))
+    s = st.init_staleness(st.StalenessConfig(eta=1, batch_size=4), v_train=0)
+    plan = route(WorkingView(snap, {1: 0, 2: 0}, cost), s, st.empty_counts(s), 0.3,
+                 policy="fewest")
+    assert sorted(plan.routes) == [0, 2] and sum(map(len, plan.routes.values())) == 4
+    down = dataclasses.replace(snap, inst_kv_capacity_R=np.zeros(3))
+    assert route(WorkingView(down, {1: 0, 2: 0}, cost), s, st.empty_counts(s), 0.3,
+                 policy="fewest").routes == {}
