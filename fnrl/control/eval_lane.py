@@ -160,15 +160,18 @@ class EvalLane:
         """The trainer returned `version` (published to the relays before it returned)."""
         if self.lost:
             return
-        every = self.cfg.eval_every
-        if self.busy and version >= self.due and version % every == 0:
-            # Due while the previous one is still being scored, and the relays keep only
-            # their newest versions: not evaluated (not queued: the lane never falls behind).
-            self.book.counts["evals_skipped"] += 1
-        target, self.due = next_due(version, self.due, every, busy=self.busy,
-                                    held=self.cfg.relay.keep_versions)
+        target, due = next_due(version, self.due, self.cfg.eval_every, busy=self.busy,
+                               held=self.cfg.relay.keep_versions)
         if target is not None:
+            # A version that fell due while the lane was busy is evaluated now if the
+            # relays still hold it; the ones the relays retired meanwhile are passed over.
+            self._passed_over(target)
+            self.due = due
             self.task_running = self.svc.spawn(self._evaluate(target))
+
+    def _passed_over(self, upto: int) -> None:
+        """Counts the due versions below `upto` that will not be evaluated."""
+        self.book.counts["evals_skipped"] += len(range(self.due, upto, self.cfg.eval_every))
 
     async def finish(self, version: int) -> None:
         """At the start and the end: the evaluation under way lands, then `version` is
@@ -176,6 +179,7 @@ class EvalLane:
         if self.task_running is not None:
             await asyncio.gather(self.task_running, return_exceptions=True)
         if not self.lost and version not in self.book.evaluated_versions:
+            self._passed_over(version)   # due while the lane was busy, never evaluated
             await self._evaluate(version)
         self.due = max(self.due, version - version % self.cfg.eval_every + self.cfg.eval_every)
 
