@@ -250,12 +250,13 @@ def plan_parallelism(problem: ParallelismProblem, remaining_N, context_N, *,
 
 
 def replan(problem: ParallelismProblem, history_SxQ, generated_N, context_N, *,
-           current_tp: int, len_max: int, requests_per_step: int,
+           current_tp: int | None, len_max: int, requests_per_step: int,
            smoothing: float = 0.5) -> ParallelismPlan:
     """The planner's periodic run (§4.1): the forecast of the step's length distribution
     from past steps' quantiles, each unfinished request's remaining decode conditioned
     on its progress (`generated_N`; a queued one at 0 takes the forecast itself), and
-    the mode that finishes them soonest counting the switch from `current_tp`.
+    the mode that finishes them soonest counting the switch from `current_tp` (None: a
+    fresh deployment, no switch charged).
 
     Gap (ours): the paper re-plans "periodically" from the remaining requests of the
     step; with one step in flight at a time (its one-step pipeline) every unfinished

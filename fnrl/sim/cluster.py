@@ -60,6 +60,8 @@ class Simulation:
         self.up = np.zeros(self.lay.rollouts, bool)
         self.up[self.mode.rids] = True
         self.cap_R = np.array([i.cap for i in self.inst])
+        self.tp_R = np.array([m.tp for m in self.lay.modes for _ in m.rids])
+        self.pull_R = [m.pull_s for m in self.lay.modes for _ in m.rids]
         self.replanner = replanner_for(cfg, self.lay)
         self.switching = None                 # (mode, weights' version) while a switch runs
         self.book = Book(trainer_version=0, steps_done=0)
@@ -416,7 +418,7 @@ class Simulation:
         # The version reaches this rollout's relay down the chain after the master has it.
         start = max(self.now, self.published[v] + self.lay.relay_arrival_s[rid])
         self.pull_started[rid] = self.now
-        self.push(start + self.lay.mode_of(rid).pull_s, PULL, rid, v)
+        self.push(start + self.pull_R[rid], PULL, rid, v)
         self.dirty_inst.add(rid)
 
     def _count_generated(self) -> None:
@@ -519,11 +521,11 @@ class Simulation:
         step_s = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else train_wall
         # Shares of the rollout GPUs' time: with rollout_modes every mode's instances span
         # the same GPUs (a mode that is down is not idle GPUs); otherwise per-rollout means.
-        tp_R = np.array([self.lay.mode_of(r).tp for r in range(self.lay.rollouts)])
         gpus_R = len(self.lay.modes[0].rids) * self.lay.modes[0].tp
 
         def idle(seconds) -> float:
-            return float(1.0 - np.minimum(np.asarray(seconds) / max(wall, 1e-9), 1.0) @ tp_R / gpus_R)
+            busy = np.minimum(np.asarray(seconds) / max(wall, 1e-9), 1.0)
+            return float(1.0 - busy @ self.tp_R / gpus_R)
         return {"preset": self.cfg.preset, "gpus": self.cfg.gpus, "steps": b.steps_done,
                 "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
                 "trained_seq_tokens": self.seq_tokens,

@@ -57,9 +57,6 @@ class Layout:
     def pull_s(self) -> float:
         return self.modes[0].pull_s
 
-    def mode_of(self, rid: int) -> RolloutMode:
-        return next(m for m in self.modes if rid in m.rids)
-
 
 def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
     c, table = cfg.cluster, table or costs.load_table()

@@ -46,7 +46,6 @@ class Replanner:
         self.problem, self.spec, self.replan_s = problem, spec, replan_s
         self.history = prior_history(spec)
         self.next_s = 0.0
-        self.plans = 0
 
     def record(self, lengths) -> None:
         """A trained step's realized response lengths join the forecast's history."""
@@ -56,7 +55,7 @@ class Replanner:
         """A re-plan if one is due and there is work left; a `Reconfigure` if it switches."""
         if now < self.next_s or len(generated_N) == 0:
             return None
-        self.next_s, self.plans = now + self.replan_s, self.plans + 1
+        self.next_s = now + self.replan_s
         plan = orchestr.replan(self.problem, self.history, generated_N, context_N,
                                current_tp=current_tp, len_max=self.spec.len_max,
                                requests_per_step=self.spec.groups_per_step * self.spec.group_size)

@@ -76,12 +76,11 @@ def modes(model: str, len_max: int, table: dict | None = None) -> tuple[orchestr
 def plan(model: str, gpus: int, spec: WorkloadSpec) -> orchestr.ParallelismPlan:
     """The planner on a fresh step: the forecast of past steps' length quantiles (drawn
     from the same workload with their own seed), as one length per request."""
-    forecast = orchestr.forecast_quantiles(prior_history(spec))
     n = spec.groups_per_step * spec.group_size
-    points = orchestr.step_distribution(forecast, n)
-    remaining = orchestr.remaining_work(np.zeros(n), points, len_max=spec.len_max)
     problem = orchestr.ParallelismProblem(gpus=gpus // 2, modes=modes(model, spec.len_max))
-    return orchestr.plan_parallelism(problem, remaining, np.full(n, float(spec.prompt_len)))
+    return orchestr.replan(problem, prior_history(spec), np.zeros(n),
+                           np.full(n, float(spec.prompt_len)), current_tp=None,
+                           len_max=spec.len_max, requests_per_step=n)
 
 
 @register("orchestrrl")
