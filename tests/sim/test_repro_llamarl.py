@@ -80,17 +80,27 @@ def test_the_setup_names_its_systems_and_claims():
         assert (run.placement, run.weight_sync, run.publish_s, run.pull_s) == (
             "disaggregated", "nccl", size.ddma_s, size.ddma_s)
         assert run.rollout_dtype_bytes == size.gen_dtype_bytes
-        assert setup.runs[f"llamarl {size.name}"].preset == "one_step"
+        own, no_resume = (setup.runs[f"llamarl {size.name}{tag}"]
+                          for tag in ("", llamarl.NO_RESUME))
+        # §4.2: one step of delay plus a response resumed in the next iteration.
+        assert (own.preset, own.eta) == ("partial_rollout", 2)
+        assert (no_resume.preset, no_resume.eta) == ("one_step", -1)
+        assert no_resume.cluster == own.cluster
         assert setup.runs[f"baseline {size.name}"].cluster.placement == "colocated"
     assert setup.runs["fnrl"].preset == "fnrl"
     assert setup.runs["fnrl"].cluster == setup.runs[f"llamarl {llamarl.FNRL_SIZE}"].cluster
 
 
 def test_a_quick_run_of_the_8b_pair():
-    res = reproduce("llamarl", seeds=(0,), quick=True, only=("baseline 8B", "llamarl 8B"),
+    own, no_resume = "llamarl 8B", "llamarl 8B" + llamarl.NO_RESUME
+    res = reproduce("llamarl", seeds=(0,), quick=True, only=("baseline 8B", own, no_resume),
                     log=lambda _: None)
-    base, split = res.summaries[0]["baseline 8B"], res.summaries[0]["llamarl 8B"]
-    assert base["steps"] == split["steps"] == llamarl.QUICK_STEPS
-    assert base["staleness_checked_max"] == 0 and split["staleness_checked_max"] == 1
+    base, split, plain = (res.summaries[0][k] for k in ("baseline 8B", own, no_resume))
+    assert base["steps"] == split["steps"] == plain["steps"] == llamarl.QUICK_STEPS
     assert base["train_gpus"] == 256 and split["train_gpus"] + split["rollout_gpus"] == 256
-    assert 0 < split["step_s"] < base["step_s"]
+    # LlamaRL's mode breaks long responses off at each new version and resumes them, each
+    # within two versions of the trainer; without resume nothing is interrupted.
+    assert split["interrupted"] > 0 and split["staleness_checked_max"] <= 2
+    assert plain["interrupted"] == 0 and plain["staleness_checked_max"] == 1
+    assert base["staleness_checked_max"] == 0
+    assert 0 < split["step_s"] < base["step_s"] and 0 < plain["step_s"] < base["step_s"]

@@ -8,9 +8,15 @@ per-GPU memory model (Table 2), fed with the simulator's cost models:
     colocated, rollouts of TP m, at most b_g sequences each, with the KV room the
     trainer's state leaves (the memory model shrinks the baseline's batch);
   - LlamaRL: `plan_split` picks the trainer's GPUs and each side's degree under its own
-    limit; the simulator runs `one_step` (LlamaRL's asynchronous off-policy mode, one
-    step of delay, §4.2) disaggregated, with the generator in fp8 where Table 3's
-    headline row has it (70B, 405B).
+    limit; the simulator runs LlamaRL's asynchronous off-policy mode (§4.2) as
+    `partial_rollout` at η = 2, disaggregated, with the generator in fp8 where Table 3's
+    headline row has it (70B, 405B). §4.2 has two parts: the trainer takes samples one
+    step old, and long generations are broken off, cached and resumed in the following
+    iteration ("inspired by partial rollouts", Kimi). A response resumed once under the
+    next version, consumed a step later, holds tokens two versions old: η = 2 in fnrl's
+    terms (the paper's "1 to n steps of delay" gives no n for its headline rows; this is
+    the least that holds a resumed response). The same layouts without partial rollouts
+    (`one_step`, η = 1) run beside them, so what the resume contributes shows apart.
 Weight sync is LlamaRL's DDMA (§5.2): the `nccl` option (a GPU-to-GPU transfer the
 trainer takes part in and waits for; `relay` stages through host memory, which DDMA
 avoids), at Table 4's measured times.
@@ -80,6 +86,8 @@ WORKLOAD = WorkloadSpec(groups_per_step=512, group_size=4, prompt_len=256, len_m
                         len_sigma=0.6, len_max=2048)
 FNRL_SIZE = "70B"     # the size whose LlamaRL layout also runs the `fnrl` preset
 STEPS, QUICK_STEPS = 8, 2
+LLAMARL_PRESET, LLAMARL_ETA = "partial_rollout", 2
+NO_RESUME = " without resume"   # the suffix of the one_step runs (η = 1, no partial rollouts)
 
 
 def mean_response(w: WorkloadSpec) -> float:
@@ -184,11 +192,15 @@ def baseline_config(size: Size, mp: int, seqs: int, b_t: int | None, steps: int,
 
 
 def llamarl_config(size: Size, train_gpus: int, mp_gen: int, seqs: int, steps: int,
-                   preset: str = "one_step", w: WorkloadSpec = WORKLOAD) -> SimConfig:
+                   preset: str = LLAMARL_PRESET, w: WorkloadSpec = WORKLOAD) -> SimConfig:
     """Disaggregated: the trainer on its GPUs, generators of TP mp_gen (fp8 where the
-    headline row is), weights moved by DDMA in Table 4's time."""
+    headline row is), weights moved by DDMA in Table 4's time. LlamaRL's own mode is
+    `partial_rollout` at η = 2 (the module's docstring says why); other presets keep
+    their own η."""
     p, model = problem(size, w), costs.model_spec(size.model)
-    return SimConfig(preset=preset, gpus=size.gpus, steps=steps, plots=False, workload=w,
+    eta = LLAMARL_ETA if preset == LLAMARL_PRESET else -1
+    return SimConfig(preset=preset, eta=eta, gpus=size.gpus, steps=steps, plots=False,
+                     workload=w,
                      cluster=_cluster(size, placement="disaggregated", train_gpus=train_gpus,
                                       rollout_tp=mp_gen, max_num_seqs=seqs,
                                       rollout_dtype_bytes=size.gen_dtype_bytes,
@@ -199,17 +211,21 @@ def llamarl_config(size: Size, train_gpus: int, mp_gen: int, seqs: int, steps: i
 
 
 def runs_for(size: Size, steps: int) -> dict[str, SimConfig]:
+    """Both layouts of one size: the baseline, LlamaRL, and LlamaRL without resume."""
     colocated, split = plans(size)
-    return {
+    runs = {
         f"baseline {size.name}": baseline_config(size, colocated.mp_gen, colocated.batch_gen,
                                                  colocated.batch_train, steps),
-        f"llamarl {size.name}": llamarl_config(size, split.gpus_train, split.mp_gen,
-                                               split.batch_gen, steps),
         f"baseline {size.name} (Table 3)": baseline_config(
             size, size.paper_mp_colocated, size.paper_seqs_colocated, None, steps),
-        f"llamarl {size.name} (Table 3)": llamarl_config(
-            size, size.paper_train_gpus, size.paper_mp_gen, size.paper_seqs_gen, steps),
     }
+    layouts = {"": (split.gpus_train, split.mp_gen, split.batch_gen),
+               " (Table 3)": (size.paper_train_gpus, size.paper_mp_gen, size.paper_seqs_gen)}
+    for tag, layout in layouts.items():
+        runs[f"llamarl {size.name}{tag}"] = llamarl_config(size, *layout, steps)
+        runs[f"llamarl {size.name}{tag}{NO_RESUME}"] = llamarl_config(
+            size, *layout, steps, preset="one_step")
+    return runs
 
 
 @register("llamarl")
@@ -220,10 +236,11 @@ def setup(quick: bool = False) -> Setup:
     for size in SIZES:
         runs.update(runs_for(size, steps))
         for tag in ("", " (Table 3)"):
-            claims.append(Claim(name=f"{size.name}{tag or ' (planned)'}",
-                                system=f"llamarl {size.name}{tag}",
-                                baseline=f"baseline {size.name}{tag}", paper=size.speedup,
-                                metric="step_s", lower_is_better=True))
+            for resume in ("", NO_RESUME):
+                claims.append(Claim(name=f"{size.name}{tag or ' (planned)'}{resume}",
+                                    system=f"llamarl {size.name}{tag}{resume}",
+                                    baseline=f"baseline {size.name}{tag}", paper=size.speedup,
+                                    metric="step_s", lower_is_better=True))
     fnrl_size = next(s for s in SIZES if s.name == FNRL_SIZE)
     _, split = plans(fnrl_size)
     runs["fnrl"] = llamarl_config(fnrl_size, split.gpus_train, split.mp_gen, split.batch_gen,
@@ -233,7 +250,8 @@ def setup(quick: bool = False) -> Setup:
         setup=("Llama 3.1 8B / 70B / 405B on 256 / 256 / 1,024 H100s, MATH, 512 prompts × 4 "
                "per step (global batch 2,048). Baseline: synchronous on-policy, generation "
                "and training colocated at one mp (DeepSpeed-Chat-like). LlamaRL: trainer and "
-               "generator on their own GPUs, one step off-policy, DDMA weight sync, fp8 "
+               "generator on their own GPUs, one step off-policy with partial rollouts "
+               "(long generations resumed in the next iteration), DDMA weight sync, fp8 "
                "generator at 70B and 405B. Metric: seconds per RL step (Table 3)."),
         runs=runs, claims=tuple(claims),
         assumptions=(
@@ -247,5 +265,8 @@ def setup(quick: bool = False) -> Setup:
             "machine and 50 µs across machines (costs.toml [tp_comm]).",
             "Training: FLOPs at MFU 0.35 on the trainer's GPUs, whatever its mp.",
             "DDMA as the nccl option at Table 4's times (0.04 / 1.15 / 2.31 s).",
+            "LlamaRL's mode (§4.2): partial_rollout at η = 2, one step of delay plus a "
+            "response resumed once in the next iteration (the paper gives no n for its "
+            "'1 to n steps of delay'); the rows 'without resume' run one_step (η = 1).",
             f"The fnrl preset runs on the {FNRL_SIZE} planned LlamaRL layout.",
         ))
