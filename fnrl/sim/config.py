@@ -84,6 +84,9 @@ class ClusterSpec:
     """Charge every roofline decode step its tensor-parallel all-reduces (two a layer,
     fnrl.sim.costs.tp_allreduce_s, costs.toml [tp_comm]): over NVLink within one
     machine, dearer across machines (LlamaRL §4.3: mp > 8); off, TP scales perfectly."""
+    allreduce_inter_s: float = 0.0
+    """> 0: the latency of one tensor-parallel all-reduce across machines, instead of
+    costs.toml's [tp_comm] `allreduce_inter_s` (what a given engine pays; with tp_comm)."""
     shared_cores: int = 0
     """> 0: every role runs on one host of this many CPU cores (a CPU-only replay of
     this machine: 2). Each busy role (the trainer in a step, a rollout with a running
@@ -100,7 +103,7 @@ class ClusterSpec:
                      "stream_minibatches"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
-                     "shared_cores"):
+                     "shared_cores", "allreduce_inter_s"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")
