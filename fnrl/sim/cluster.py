@@ -175,6 +175,7 @@ class Simulation:
                 return False
             finished = inst.on_event(self.now, inst.pending_step)
             for tid in finished:
+                self.trajs.done_s[tid] = self.now
                 gid = int(self.trajs.gid[tid])
                 self.group_left[gid] -= 1
                 if self.group_left[gid] == 0:
@@ -295,6 +296,8 @@ class Simulation:
             assert self.up[cmd.rid], f"routed to rollout {cmd.rid}, which is down"
             for tid in cmd.tids:
                 assert tr.state[tid] == IN_TS, (tid, tr.state[tid])
+                if tr.routed_s[tid] < 0:
+                    tr.routed_s[tid] = self.now
                 self._continues(cmd.rid, tid)
                 self._place(cmd.rid, tid)
             self.dirty_inst.add(cmd.rid)
@@ -526,6 +529,7 @@ class Simulation:
         def idle(seconds) -> float:
             busy = np.minimum(np.asarray(seconds) / max(wall, 1e-9), 1.0)
             return float(1.0 - busy @ self.tp_R / gpus_R)
+        lat = self.trajs.latencies()
         return {"preset": self.cfg.preset, "gpus": self.cfg.gpus, "steps": b.steps_done,
                 "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
                 "trained_seq_tokens": self.seq_tokens,
@@ -547,6 +551,9 @@ class Simulation:
                 "kv_capacity_tokens": self.lay.kv_capacity, "publish_s": self.lay.publish_s,
                 "pull_s": self.lay.pull_s, "cost_model": dataclasses.asdict(self.lay.decode.cost),
                 "trajectories": self.trajs.n, "tool_calls": self.stats["tool_calls"],
+                "traj_latency_mean_s": float(lat.mean()) if lat.size else 0.0,
+                "traj_latency_p50_s": float(np.median(lat)) if lat.size else 0.0,
+                "traj_latency_max_s": float(lat.max()) if lat.size else 0.0,
                 "sim_events": self.stats["events"], "sim_cycles": self.stats["cycles"],
                 "sim_decide_s": self.stats["decide_s"],
                 "sim_invalid_cycles": self.stats["invalid_cycles"],

@@ -62,6 +62,8 @@ class Trajectories:
         self.state = np.zeros(capacity, np.int8)
         self.turns = np.ones(capacity, np.int64)       # decode turns (tool calls between)
         self.tool_until = np.zeros(capacity)           # when its last tool call returns
+        self.routed_s = np.full(capacity, -1.0)        # when first routed (-1: not yet)
+        self.done_s = np.full(capacity, -1.0)          # when it finished (-1: not yet)
         self.segments: list[list[tuple[int, int]]] = []   # (version, tokens) per placement
 
     def add(self, gid: int, prompt: int, targets: np.ndarray, turns: int = 1) -> range:
@@ -69,9 +71,9 @@ class Trajectories:
         if self.n + k > len(self.gid):
             grow = max(len(self.gid), k)
             for name in ("gid", "prompt", "target", "gen", "join_step", "fin_step", "inst", "state",
-                         "turns", "tool_until"):
+                         "turns", "tool_until", "routed_s", "done_s"):
                 a = getattr(self, name)
-                fill = -1 if name == "inst" else 0
+                fill = -1 if name in ("inst", "routed_s", "done_s") else 0
                 setattr(self, name, np.concatenate([a, np.full(grow, fill, a.dtype)]))
         tids = range(self.n, self.n + k)
         self.gid[tids.start:tids.stop] = gid
@@ -81,6 +83,14 @@ class Trajectories:
         self.segments.extend([] for _ in tids)
         self.n += k
         return tids
+
+    def latencies(self) -> np.ndarray:
+        """Seconds from first being routed to finishing, of every finished trajectory
+        (Laminar Table 1's "latency of generating trajectories"): time queued in an
+        engine, interrupted, migrated or at a tool counts; time waiting to be routed
+        does not."""
+        done = self.done_s[:self.n] >= 0
+        return self.done_s[:self.n][done] - self.routed_s[:self.n][done]
 
     def context(self, tid: int) -> int:
         return int(self.prompt[tid] + self.gen[tid])

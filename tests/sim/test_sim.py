@@ -44,6 +44,11 @@ def test_tiny_cluster_schedule_by_hand():
     assert summary["engine_prefill_tokens"] == 16
     # The trainer is busy 2 × 1.2 s of 10.5 s.
     assert summary["trainer_idle_frac"] == pytest.approx(1 - 2.4 / 10.5)
+    # Latency counts from being routed to finishing: groups 0, 1 at t = 0 to 3.8; groups
+    # 2, 3 are routed at 5.0, behind the pull, and queue in the engine until 5.5: to 9.3.
+    assert sim.trajs.latencies() == pytest.approx([3.8] * 4 + [4.3] * 4)
+    assert summary["traj_latency_mean_s"] == pytest.approx(4.05)
+    assert summary["traj_latency_max_s"] == pytest.approx(4.3)
 
 
 def test_tiny_cluster_one_step_overlaps_by_hand():
@@ -58,6 +63,8 @@ def test_tiny_cluster_one_step_overlaps_by_hand():
     assert events[-1] == ("train", 5.8, 7.0)
     assert summary["staleness_checked_max"] == 1
     assert summary["train_wall_s"] == pytest.approx(7.0)
+    # All eight are routed at t = 0 and finish at 4.6, although half train a step later.
+    assert sim.trajs.latencies() == pytest.approx([4.6] * 8)
 
 
 def test_stream_schedule_by_hand():

@@ -28,13 +28,23 @@ The paper's largest cluster (72B on 1,024 GPUs) keeps the plain labels (`verl`,
 The metric is the paper's (§8 Metrics): prompt + response tokens of 5 iterations after a
 warm-up (the paper's 10, here 5), over the time between their actor updates
 (`steady_seq_tokens_per_s`).
+
+Fig. 17's length distributions are not in the text, so `laminar` assumes them. Table 1
+(§8.4) measured one of Fig. 11's points, Laminar at 32B on 128 GPUs: trajectories took
+290 s on average and at most 828 s to generate. `calibrate_lengths` fits the lognormal's
+median and σ to those two figures (`python -m fnrl.sim.repro.laminar` recomputes it), and
+the setup `laminar-calibrated` runs every point with the fitted lengths: Table 1 is not
+a throughput figure, so the headline stays a prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
+
+from scipy.optimize import minimize
 
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
@@ -103,13 +113,63 @@ ASSUMPTIONS = (
 )
 
 
-def workload(quick: bool) -> WorkloadSpec:
+ASSUMED_LENGTHS = (2048, 1.0)
+"""(median, σ) of the responses, assumed: σ = 1 puts the 99th percentile at 10× the
+median (§2); the median is a guess."""
+TABLE1 = {"mean_s": 290.0, "max_s": 828.0, "kv_util": 0.822}
+"""Table 1 (§8.4), Laminar with repack at 32B on 128 GPUs (64 trainer + 64 rollout, 16
+rollouts of TP 4, the §8.1 placement): average and maximum latency of generating a
+trajectory, and the average KV-cache use (not fitted: a check)."""
+TABLE1_POINT = ("32b", 128)
+CALIBRATED_LENGTHS = (6255, 0.742)
+"""(median, σ) fitted to TABLE1's two latencies by `calibrate_lengths` (seed 0)."""
+
+
+def workload(quick: bool, lengths: tuple[int, float] = ASSUMED_LENGTHS) -> WorkloadSpec:
     # §8: 512 prompts × 16 responses per global batch; max output 16K.
+    median, sigma = lengths
     return WorkloadSpec(groups_per_step=32 if quick else 512, group_size=16, prompt_len=512,
-                        len_median=2048, len_sigma=1.0, len_max=16384)
+                        len_median=median, len_sigma=sigma, len_max=16384)
 
 
-def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimConfig:
+def table1_run(lengths: tuple[int, float], seed: int = 0) -> dict:
+    """Laminar at Table 1's point with these response lengths: its summary."""
+    cfg = config("laminar", *TABLE1_POINT, lengths=lengths)
+    return Simulation(dataclasses.replace(cfg, seed=seed)).run()
+
+
+def table1_error(summary: dict) -> float:
+    """Squared log errors of the mean and the maximum trajectory latency against Table 1."""
+    return (math.log(summary["traj_latency_mean_s"] / TABLE1["mean_s"]) ** 2
+            + math.log(summary["traj_latency_max_s"] / TABLE1["max_s"]) ** 2)
+
+
+def calibrate_lengths(seed: int = 0, log=print) -> tuple[int, float]:
+    """The lognormal (median, σ) whose Laminar run at Table 1's point best matches its
+    mean and maximum trajectory latency (`table1_error`). The maximum is one trajectory's,
+    so the error is not smooth and has local minima: a coarse grid first (medians 2,048 to
+    8,192 in steps of √2, σ 0.6 to 1.2), then Nelder-Mead over (log median, σ) from the
+    grid's best, the median rounded to whole tokens."""
+    def error(median: float, sigma: float) -> float:
+        if not 0.05 <= sigma <= 2.0:
+            return math.inf
+        summary = table1_run((int(round(median)), float(sigma)), seed)
+        log(f"  median {median:,.0f}, σ {sigma:.3f}: mean "
+            f"{summary['traj_latency_mean_s']:.0f} s, max {summary['traj_latency_max_s']:.0f} s")
+        return table1_error(summary)
+    grid = [(2048 * 2 ** (k / 2), sigma) for k in range(5) for sigma in (0.6, 0.8, 1.0, 1.2)]
+    best = min(grid, key=lambda x: error(*x))
+    res = minimize(lambda x: error(math.exp(x[0]), x[1]), [math.log(best[0]), best[1]],
+                   method="Nelder-Mead",
+                   options={"xatol": 0.01, "fatol": 1e-4, "maxfev": 20,
+                            "initial_simplex": [[math.log(best[0]), best[1]],
+                                                [math.log(best[0]) + 0.15, best[1]],
+                                                [math.log(best[0]), best[1] + 0.1]]})
+    return int(round(math.exp(res.x[0]))), round(float(res.x[1]), 3)
+
+
+def config(system: str, model: str, gpus: int, *, quick: bool = False,
+           lengths: tuple[int, float] = ASSUMED_LENGTHS) -> SimConfig:
     """`system` (one of SYSTEMS) at one point of Fig. 11."""
     verl_tp, laminar_tp = ROLLOUT_TP[model]
     enable: tuple[str, ...] = ()
@@ -135,7 +195,7 @@ def config(system: str, model: str, gpus: int, *, quick: bool = False) -> SimCon
     warmup, measured = (1, 2) if quick else (WARMUP, MEASURED)
     return SimConfig(preset=preset, gpus=gpus, steps=warmup + measured, warmup_steps=warmup,
                      enable=enable, cycle_s=5.0, plots=False, cluster=cluster,
-                     workload=workload(quick))
+                     workload=workload(quick, lengths))
 
 
 @dataclass(frozen=True)
@@ -183,12 +243,12 @@ def points_table(by_seed: dict, quick: bool = False) -> str:
     return "\n".join(lines)
 
 
-@register("laminar")
-def setup(quick: bool) -> Setup:
+def make_setup(quick: bool, lengths: tuple[int, float]) -> Setup:
     pts = points(quick)
     # The headline point's runs are configs (run directories, and the ablation's `fnrl`).
-    runs = {label(s, *p): config(s, *p, quick=quick) if p == HEADLINE
-            else Summarised(config(s, *p, quick=quick)) for p in pts for s in SYSTEMS}
+    runs = {label(s, *p): config(s, *p, quick=quick, lengths=lengths) if p == HEADLINE
+            else Summarised(config(s, *p, quick=quick, lengths=lengths))
+            for p in pts for s in SYSTEMS}
     claims = (over_points("laminar/verl, mean over points", "laminar", pts, PAPER_MEAN),
               over_points("laminar/verl, max over points", "laminar", pts, PAPER_MAX, "max"),
               *(over_points(f"laminar/{b}, {how} over points", "laminar", pts, paper, how, b)
@@ -196,8 +256,14 @@ def setup(quick: bool) -> Setup:
                 for how, paper in zip(("mean", "max"), papers)),
               # Not the paper's: fnrl on Laminar's setup, read against Laminar's figure.
               over_points("fnrl/verl, mean over points", "fnrl", pts, PAPER_MEAN))
+    calibrated = lengths != ASSUMED_LENGTHS
+    median, sigma = lengths
+    length_note = (f"Responses lognormal, median {median:,} tokens and σ {sigma}, fitted to "
+                   f"Table 1's trajectory latencies ({TABLE1['mean_s']:.0f} s mean, "
+                   f"{TABLE1['max_s']:.0f} s max, Laminar at 32B on 128 GPUs), replacing "
+                   "the first assumption below." if calibrated else None)
     return Setup(
-        paper="Laminar (seed 000)",
+        paper="Laminar (seed 000)" + (", lengths calibrated on Table 1" if calibrated else ""),
         setup=("Fig. 11 / §8.1: Qwen2.5 7B, 32B and 72B on 16-256, 32-512 and 64-1,024 "
                "H800s (Table 2), GRPO on DAPO-Math-17k, 512 prompts × 16 responses a step, "
                "outputs up to 16K. verl v0.5.0 synchronous and colocated on every GPU; "
@@ -209,6 +275,26 @@ def setup(quick: bool) -> Setup:
                "(here 5). "
                f"Paper: Laminar averages {PAPER_MEAN}× verl, up to {PAPER_MAX}×; "
                f"{PAPER_OVER['one_step'][0]}× One-step, {PAPER_OVER['stream'][0]}× Stream."),
-        runs=runs, claims=claims, assumptions=ASSUMPTIONS,
+        runs=runs, claims=claims,
+        assumptions=((length_note,) if calibrated else ()) + ASSUMPTIONS,
         notes=("Fig. 11's per-point ratios are not in the text: only their mean and "
                "maximum are claims; `points_table` lists the simulated points.",))
+
+
+@register("laminar")
+def setup(quick: bool) -> Setup:
+    return make_setup(quick, ASSUMED_LENGTHS)
+
+
+@register("laminar-calibrated")
+def setup_calibrated(quick: bool) -> Setup:
+    return make_setup(quick, CALIBRATED_LENGTHS)
+
+
+if __name__ == "__main__":     # python -m fnrl.sim.repro.laminar: recompute the calibration
+    fitted = calibrate_lengths()
+    check = table1_run(fitted)
+    print(f"lengths fitted to Table 1: median {fitted[0]}, σ {fitted[1]} (CALIBRATED_LENGTHS: "
+          f"{CALIBRATED_LENGTHS}); mean {check['traj_latency_mean_s']:.0f} s, max "
+          f"{check['traj_latency_max_s']:.0f} s, KV use {check['kv_util']:.1%} (Table 1: "
+          f"{TABLE1['mean_s']:.0f} s, {TABLE1['max_s']:.0f} s, {TABLE1['kv_util']:.1%})")
