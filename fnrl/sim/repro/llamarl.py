@@ -38,6 +38,8 @@ import dataclasses
 import math
 import statistics
 
+from scipy.optimize import minimize_scalar
+
 from fnrl.policy.split import Plan, SplitProblem, plan_colocated, plan_split
 from fnrl.sim import costs
 from fnrl.sim.config import ClusterSpec, SimConfig
@@ -111,7 +113,7 @@ class Row:
 # its concurrency) differs; the trainer's mp is not in the simulator's FLOPs model.
 CALIBRATION_ROWS = (Row(mp_gen=32, seqs_gen=32, step_s=240.8),
                     Row(mp_gen=16, seqs_gen=48, step_s=100.5))
-CALIBRATED_INTER_S = 356e-6
+CALIBRATED_INTER_S = 358e-6
 """A cross-machine all-reduce's latency fitted to CALIBRATION_ROWS (`calibrate_inter_s`,
 seed 0, 8 steps): 7× costs.toml's 50 µs, so it stands for whatever the paper's inference
 library paid per cross-machine all-reduce, not for a network's latency."""
@@ -282,26 +284,18 @@ def calibration_error(inter_s: float, seed: int = 0, steps: int = STEPS) -> floa
     return err
 
 
-def calibrate_inter_s(lo: float = 10e-6, hi: float = 5e-3, iters: int = 16,
-                      seed: int = 0, log=print) -> float:
-    """The cross-machine all-reduce latency that best fits CALIBRATION_ROWS: a golden-
-    section search on its logarithm (the error is unimodal in it: each row's step time
-    grows with the latency), rounded to the µs."""
-    a, b = math.log(lo), math.log(hi)
-    g = (math.sqrt(5) - 1) / 2
-    c, d = b - g * (b - a), a + g * (b - a)
-    fc, fd = calibration_error(math.exp(c), seed), calibration_error(math.exp(d), seed)
-    for _ in range(iters):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - g * (b - a)
-            fc = calibration_error(math.exp(c), seed)
-        else:
-            a, c, fc = c, d, fd
-            d = a + g * (b - a)
-            fd = calibration_error(math.exp(d), seed)
-        log(f"  [{math.exp(a) * 1e6:.0f}, {math.exp(b) * 1e6:.0f}] µs")
-    return round(math.exp((a + b) / 2), 6)
+def calibrate_inter_s(lo: float = 10e-6, hi: float = 5e-3, seed: int = 0,
+                      log=print) -> float:
+    """The cross-machine all-reduce latency that best fits CALIBRATION_ROWS: a bounded
+    scalar search (Brent's) on its logarithm, where the error has one minimum (each
+    row's step time grows with the latency), rounded to the µs."""
+    def error(x: float) -> float:
+        err = calibration_error(math.exp(x), seed)
+        log(f"  {math.exp(x) * 1e6:.0f} µs: error {err:.4f}")
+        return err
+    res = minimize_scalar(error, bounds=(math.log(lo), math.log(hi)), method="bounded",
+                          options={"xatol": 0.005})
+    return round(math.exp(res.x), 6)
 
 
 @register("llamarl")
