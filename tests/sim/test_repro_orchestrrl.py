@@ -19,9 +19,14 @@ def test_the_setup_has_every_case_and_system():
     for suffix, *_ in orchestrrl.CASES:
         for system in ("verl_to", "verl_lo", "pr", "orchestrrl", "fnrl"):
             assert f"{system}{suffix}" in s.runs
-    assert [c.paper for c in s.claims] == [1.40, 1.31, 1.32, 1.34]
+    assert [c.paper for c in s.claims] == [1.40, 1.31, 1.32, 1.34, 1.23, 1.19]
     assert all(c.baseline.startswith("verl_to") and c.system.startswith("orchestrrl")
-               for c in s.claims)
+               for c in s.claims[:4])
+    # §6.2's ablation: the planner alone, at 25K, is OrchestrRL without the balancer.
+    for suffix, claim in zip(orchestrrl.PLANNER_ALONE, s.claims[4:]):
+        alone, full = s.runs[f"planner{suffix}"], s.runs[f"orchestrrl{suffix}"]
+        assert (claim.system, claim.baseline) == (f"planner{suffix}", f"verl_to{suffix}")
+        assert alone == dataclasses.replace(full, enable=("global_sync", "dispatch"))
     to, lo, pr, orch, fn = (s.runs[k] for k in ("verl_to", "verl_lo", "pr", "orchestrrl", "fnrl"))
     assert (to.cluster.rollout_tp, lo.cluster.rollout_tp) == (2, 8)
     assert (to.preset, pr.preset, orch.preset, fn.preset) == ("one_step", "partial_rollout",
@@ -80,13 +85,14 @@ def test_a_quick_run_of_the_headline_case(monkeypatch):
         claims=quick.claims[:1]))
     res = reproduce("orchestrrl", seeds=(0,), quick=True, log=lambda _: None)
     runs = res.summaries[0]
-    assert set(runs) == {"verl_to", "verl_lo", "pr", "orchestrrl", "fnrl"}
+    assert set(runs) == {"verl_to", "verl_lo", "pr", "orchestrrl", "planner", "fnrl"}
     assert all(r["steps"] == 2 and r["trained_seq_tokens_per_s"] > 0 for r in runs.values())
     assert runs["verl_to"]["rollouts"] == 8 and runs["verl_lo"]["rollouts"] == 2
     # OrchestrRL carries every mode that fits (TP 1, 2, 4, 8 of 16 GPUs: 30 instances).
     assert runs["orchestrrl"]["rollouts"] == 30 and runs["orchestrrl"]["rollout_gpus"] == 16
     assert runs["verl_to"]["staleness_checked_max"] <= 1
     assert runs["verl_to"]["migrated"] == 0 and runs["pr"]["interrupted"] > 0
+    assert runs["planner"]["rollouts"] == 30
     (row,) = res.rows()
     assert row["paper"] == 1.40 and row["simulated"] > 0
 
