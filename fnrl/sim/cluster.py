@@ -174,8 +174,8 @@ class Simulation:
             if b != inst.gen:
                 return False
             finished = inst.on_event(self.now, inst.pending_step)
+            self.trajs.done_s[finished] = self.now
             for tid in finished:
-                self.trajs.done_s[tid] = self.now
                 gid = int(self.trajs.gid[tid])
                 self.group_left[gid] -= 1
                 if self.group_left[gid] == 0:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fnrl.config import CostModel
@@ -218,9 +218,12 @@ def tp_allreduce_s(model: ModelSpec, gpu: GpuSpec, tp: int, gpus_per_machine: in
     return calls * latency, calls * per_seq
 
 
-def tp_comm_params(table: dict | None = None) -> TpCommParams:
+def tp_comm_params(table: dict | None = None, allreduce_inter_s: float = 0.0) -> TpCommParams:
+    """The table's [tp_comm]; `allreduce_inter_s` > 0 replaces its cross-machine latency
+    (ClusterSpec.allreduce_inter_s: what a given engine pays)."""
     table = load_table() if table is None else table
-    return TpCommParams(**table.get("tp_comm", {}))
+    p = TpCommParams(**table.get("tp_comm", {}))
+    return replace(p, allreduce_inter_s=allreduce_inter_s) if allreduce_inter_s > 0 else p
 
 
 def roofline_decode(model: ModelSpec, gpu: GpuSpec, tp: int, p: RooflineParams,

@@ -80,9 +80,7 @@ def layout(cfg: SimConfig, table: dict | None = None) -> Layout:
     roof = dataclasses.replace(roof, kv_memory_fraction=share)
     nbytes = served.weight_bytes
 
-    comm_params = costs.tp_comm_params(table)
-    if c.allreduce_inter_s > 0:
-        comm_params = dataclasses.replace(comm_params, allreduce_inter_s=c.allreduce_inter_s)
+    comm_params = costs.tp_comm_params(table, c.allreduce_inter_s)
 
     def mode(tp: int, first: int) -> RolloutMode:
         comm = (costs.tp_allreduce_s(model, gpu, tp, c.gpus_per_machine, comm_params)

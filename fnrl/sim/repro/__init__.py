@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,12 @@ from fnrl.sim.config import SimConfig
 Run = Union[SimConfig, Callable[[int], dict]]
 """A simulated system: a config (run by fnrl.sim.report.simulate with the seed set), or a
 function of the seed returning a summary with at least the claims' metric keys."""
+
+
+def squared_log_error(pairs) -> float:
+    """Sum of log(simulated / measured)² over (simulated, measured) pairs: the error a
+    calibration minimises on a paper's non-headline figures."""
+    return sum(math.log(sim / measured) ** 2 for sim, measured in pairs)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,7 +48,7 @@ from scipy.optimize import minimize
 
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import PairsClaim, Setup, register
+from fnrl.sim.repro import PairsClaim, Setup, register, squared_log_error
 from fnrl.sim.workload import WorkloadSpec
 
 PAPER_MEAN = 2.56          # §8.1: Laminar over verl, averaged over Fig. 11
@@ -140,8 +140,8 @@ def table1_run(lengths: tuple[int, float], seed: int = 0) -> dict:
 
 def table1_error(summary: dict) -> float:
     """Squared log errors of the mean and the maximum trajectory latency against Table 1."""
-    return (math.log(summary["traj_latency_mean_s"] / TABLE1["mean_s"]) ** 2
-            + math.log(summary["traj_latency_max_s"] / TABLE1["max_s"]) ** 2)
+    return squared_log_error([(summary["traj_latency_mean_s"], TABLE1["mean_s"]),
+                              (summary["traj_latency_max_s"], TABLE1["max_s"])])
 
 
 def calibrate_lengths(seed: int = 0, log=print) -> tuple[int, float]:

@@ -42,8 +42,9 @@ from scipy.optimize import minimize_scalar
 
 from fnrl.policy.split import Plan, SplitProblem, plan_colocated, plan_split
 from fnrl.sim import costs
+from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import Claim, Setup, register
+from fnrl.sim.repro import Claim, Setup, register, squared_log_error
 from fnrl.sim.workload import WorkloadSpec
 
 
@@ -160,9 +161,7 @@ def per_sample_times(size: Size, generator_dtype_bytes: int, w: WorkloadSpec = W
     table = table or costs.load_table()
     gpu, model = costs.gpu_spec("h100", table), costs.model_spec(size.model, table)
     roof = costs.RooflineParams(**table.get("roofline", {}))
-    comm = costs.tp_comm_params(table)
-    if inter_s > 0:
-        comm = dataclasses.replace(comm, allreduce_inter_s=inter_s)
+    comm = costs.tp_comm_params(table, inter_s)
     train = costs.TrainParams(**table.get("train", {}))
     served = dataclasses.replace(model, dtype_bytes=generator_dtype_bytes)
     machine = ClusterSpec().gpus_per_machine
@@ -206,13 +205,18 @@ def plans(size: Size, w: WorkloadSpec = WORKLOAD, inter_s: float = 0.0) -> tuple
         p, *per_sample_times(size, size.gen_dtype_bytes, w, inter_s=inter_s))
 
 
-def _cluster(size: Size, inter_s: float = 0.0, **kw) -> ClusterSpec:
-    return ClusterSpec(gpu="h100", model=size.model, decode="roofline", tp_comm=True,
-                       allreduce_inter_s=inter_s, **kw)
+def _cluster(size: Size, **kw) -> ClusterSpec:
+    return ClusterSpec(gpu="h100", model=size.model, decode="roofline", tp_comm=True, **kw)
+
+
+def at_inter_s(cfg: SimConfig, inter_s: float) -> SimConfig:
+    """`cfg` with its engines paying `inter_s` per cross-machine all-reduce (0: the table's)."""
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster,
+                                                                allreduce_inter_s=inter_s))
 
 
 def baseline_config(size: Size, mp: int, seqs: int, b_t: int | None, steps: int,
-                    w: WorkloadSpec = WORKLOAD, inter_s: float = 0.0) -> SimConfig:
+                    w: WorkloadSpec = WORKLOAD) -> SimConfig:
     """`sync` colocated: every GPU trains, then serves at TP mp, its KV room what the
     trainer's state (4W + A_t·b_t) and the weights leave; b_t None: Table 3's layout,
     which Table 2's model cannot hold at 70B (5W/8 = 88 GB a GPU), so its KV room is
@@ -221,13 +225,12 @@ def baseline_config(size: Size, mp: int, seqs: int, b_t: int | None, steps: int,
     kv = 0 if b_t is None else kv_room_tokens(p, model.kv_bytes_per_token, mp,
                                                5 * p.weights + p.act_per_sample * b_t)
     return SimConfig(preset="sync", gpus=size.gpus, steps=steps, plots=False, workload=w,
-                     cluster=_cluster(size, inter_s, placement="colocated", rollout_tp=mp,
+                     cluster=_cluster(size, placement="colocated", rollout_tp=mp,
                                       max_num_seqs=seqs, kv_capacity_tokens=kv))
 
 
 def llamarl_config(size: Size, train_gpus: int, mp_gen: int, seqs: int, steps: int,
-                   preset: str = LLAMARL_PRESET, w: WorkloadSpec = WORKLOAD,
-                   inter_s: float = 0.0) -> SimConfig:
+                   preset: str = LLAMARL_PRESET, w: WorkloadSpec = WORKLOAD) -> SimConfig:
     """Disaggregated: the trainer on its GPUs, generators of TP mp_gen (fp8 where the
     headline row is), weights moved by DDMA in Table 4's time. LlamaRL's own mode is
     `partial_rollout` at η = 2 (the module's docstring says why); other presets keep
@@ -236,8 +239,7 @@ def llamarl_config(size: Size, train_gpus: int, mp_gen: int, seqs: int, steps: i
     eta = LLAMARL_ETA if preset == LLAMARL_PRESET else -1
     return SimConfig(preset=preset, eta=eta, gpus=size.gpus, steps=steps, plots=False,
                      workload=w,
-                     cluster=_cluster(size, inter_s, placement="disaggregated",
-                                      train_gpus=train_gpus,
+                     cluster=_cluster(size, placement="disaggregated", train_gpus=train_gpus,
                                       rollout_tp=mp_gen, max_num_seqs=seqs,
                                       rollout_dtype_bytes=size.gen_dtype_bytes,
                                       weight_sync="nccl", publish_s=size.ddma_s,
@@ -254,34 +256,29 @@ def runs_for(size: Size, steps: int, inter_s: float = 0.0) -> dict[str, SimConfi
     suffix = CALIBRATED if inter_s > 0 else ""
     runs = {
         f"baseline {size.name}{suffix}": baseline_config(
-            size, colocated.mp_gen, colocated.batch_gen, colocated.batch_train, steps,
-            inter_s=inter_s),
+            size, colocated.mp_gen, colocated.batch_gen, colocated.batch_train, steps),
         f"baseline {size.name} (Table 3){suffix}": baseline_config(
-            size, size.paper_mp_colocated, size.paper_seqs_colocated, None, steps,
-            inter_s=inter_s),
+            size, size.paper_mp_colocated, size.paper_seqs_colocated, None, steps),
     }
     layouts = {"": (split.gpus_train, split.mp_gen, split.batch_gen),
                " (Table 3)": (size.paper_train_gpus, size.paper_mp_gen, size.paper_seqs_gen)}
     for tag, layout in layouts.items():
-        runs[f"llamarl {size.name}{tag}{suffix}"] = llamarl_config(size, *layout, steps,
-                                                                    inter_s=inter_s)
+        runs[f"llamarl {size.name}{tag}{suffix}"] = llamarl_config(size, *layout, steps)
         if not inter_s:
             runs[f"llamarl {size.name}{tag}{NO_RESUME}"] = llamarl_config(
                 size, *layout, steps, preset="one_step")
-    return runs
+    return {name: at_inter_s(cfg, inter_s) for name, cfg in runs.items()}
 
 
 def calibration_error(inter_s: float, seed: int = 0, steps: int = STEPS) -> float:
     """Sum over CALIBRATION_ROWS of the squared log error of the simulated step time
     (LlamaRL's mode, 405B, 512 + 512 GPUs, bf16 generators) at this latency."""
-    from fnrl.sim.cluster import Simulation
     size = dataclasses.replace(next(s for s in SIZES if s.name == "405B"), gen_dtype_bytes=2)
-    err = 0.0
-    for row in CALIBRATION_ROWS:
-        cfg = llamarl_config(size, 512, row.mp_gen, row.seqs_gen, steps, inter_s=inter_s)
-        err += math.log(Simulation(dataclasses.replace(cfg, seed=seed)).run()["step_s"]
-                        / row.step_s) ** 2
-    return err
+
+    def step_s(row: Row) -> float:
+        cfg = at_inter_s(llamarl_config(size, 512, row.mp_gen, row.seqs_gen, steps), inter_s)
+        return Simulation(dataclasses.replace(cfg, seed=seed)).run()["step_s"]
+    return squared_log_error((step_s(row), row.step_s) for row in CALIBRATION_ROWS)
 
 
 def calibrate_inter_s(lo: float = 10e-6, hi: float = 5e-3, seed: int = 0,
