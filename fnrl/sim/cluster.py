@@ -81,7 +81,8 @@ class Simulation:
         self.done = False
         self.training: dict = {}              # the train step in flight
         self.train_gen = 0                    # bumps invalidate a rescheduled TRAIN event
-        self.slowdown = 1.0                   # cluster.shared_cores: busy roles / cores
+        self.slowdown = 1.0                   # cluster.shared_cores: the train step's
+        self.inst_slowdown = 1.0              # ... and each rollout's decode
         self.seq_tokens = 0                   # trained prompt + response tokens
         self.stats = Counter()                # the simulator's own: events, cycles, decide_s
         self.timeline: list[dict] = []
@@ -141,25 +142,32 @@ class Simulation:
             self.tick(self.last_cycle + self.cfg.cycle_s)
 
     def share_cores(self) -> None:
-        """Busy roles share the host's cores (ClusterSpec.shared_cores): when their number
-        changes the slowdown, the train step in flight is re-timed (the work left, at the
-        new speed) and every rollout from its last step boundary (a prefill in progress
-        keeps its end). A rollout is busy with a running batch or a queue it will admit."""
-        busy = int(self.book.trainer_busy) + sum((i.n > 0 or bool(i.queue)) and not i.pulling
-                                                 for i in self.inst)
-        f = max(1.0, busy / self.cfg.cluster.shared_cores)
-        if f == self.slowdown:
-            return
-        for r, inst in enumerate(self.inst):
-            inst.advance(self.now)
-            inst.set_slowdown(f)
-            self.dirty_inst.add(r)
-        if self.book.trainer_busy:
-            p = self.training
-            p["end"] = self.now + (p["end"] - self.now) * f / self.slowdown
-            self.train_gen += 1
-            self.push(p["end"], TRAIN, self.train_gen)
-        self.slowdown = f
+        """Busy roles share the host's cores (ClusterSpec.shared_cores) thread by thread:
+        the trainer in a step runs `trainer_threads` threads, a busy rollout one, and when
+        there are more threads than cores each gets cores / threads of one. A rollout's
+        decode is timed on a core of its own, the train step on min(threads, cores)
+        cores (as it runs alone). When a factor changes, the train step in flight is
+        re-timed (the work left, at the new speed) and every rollout from its last step
+        boundary (a prefill in progress keeps its end). A rollout is busy with a running
+        batch or a queue it will admit."""
+        c = self.cfg.cluster
+        servers = sum((i.n > 0 or bool(i.queue)) and not i.pulling for i in self.inst)
+        threads = c.trainer_threads * int(self.book.trainer_busy) + servers
+        f_inst = max(1.0, threads / c.shared_cores)    # 1 / each thread's share of a core
+        f_train = min(c.trainer_threads, c.shared_cores) * f_inst / c.trainer_threads
+        if f_inst != self.inst_slowdown:
+            for r, inst in enumerate(self.inst):
+                inst.advance(self.now)
+                inst.set_slowdown(f_inst)
+                self.dirty_inst.add(r)
+            self.inst_slowdown = f_inst
+        if f_train != self.slowdown:
+            if self.book.trainer_busy:
+                p = self.training
+                p["end"] = self.now + (p["end"] - self.now) * f_train / self.slowdown
+                self.train_gen += 1
+                self.push(p["end"], TRAIN, self.train_gen)
+            self.slowdown = f_train
 
     def tick(self, at: float) -> None:
         """A cycle at `at` unless something wakes one sooner (supersedes any other)."""

@@ -89,10 +89,15 @@ class ClusterSpec:
     costs.toml's [tp_comm] `allreduce_inter_s` (what a given engine pays; with tp_comm)."""
     shared_cores: int = 0
     """> 0: every role runs on one host of this many CPU cores (a CPU-only replay of
-    this machine: 2). Each busy role (the trainer in a step, a rollout with a running
-    batch) runs on at most one core, and when more roles are busy than there are cores
-    they share them equally: decode steps and the train step take busy / cores times
-    longer. 0: each role has its own devices."""
+    this machine: 2), shared thread by thread: a rollout with a running batch runs one
+    thread, the trainer in a step `trainer_threads`, and when there are more threads
+    than cores each gets cores / threads of one (a decode step is costed on a core of
+    its own, train_step_s as the step runs alone). 0: each role has its own devices."""
+    trainer_threads: int = 1
+    """With shared_cores: the threads the trainer's step runs on (fnrl's trainer takes
+    every allowed CPU by default, `trainer.cpu_threads = 0`: 2 on this machine); the
+    step alone uses min(trainer_threads, shared_cores) cores. 1: each busy role counts
+    as one thread."""
 
     def __post_init__(self):
         check(self.placement in PLACEMENTS, "ClusterSpec", "placement", self.placement,
@@ -100,7 +105,7 @@ class ClusterSpec:
         check(self.weight_sync in WEIGHT_SYNCS, "ClusterSpec", "weight_sync", self.weight_sync,
               f"must be one of {WEIGHT_SYNCS}")
         for name in ("rollout_tp", "gpus_per_machine", "max_num_seqs",
-                     "stream_minibatches"):
+                     "stream_minibatches", "trainer_threads"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
                      "shared_cores", "allreduce_inter_s"):

@@ -18,7 +18,7 @@ from fnrl.config.base import check
 from fnrl.control.workload import forced_length
 
 
-RESPONSES = ("lognormal", "fixed", "job_lognormal", "job_pareto")
+RESPONSES = ("lognormal", "fixed", "job_lognormal", "job_pareto", "recorded")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +30,18 @@ class WorkloadSpec:
     response: str = "lognormal"
     """"lognormal" (median, sigma, clipped at len_max), "fixed" (every response
     len_median), or "job_lognormal" / "job_pareto": the real job's forced lengths
-    (fnrl.control.workload.forced_length, drawn per trajectory id), for replays."""
+    (fnrl.control.workload.forced_length, drawn per trajectory id), for replays; or
+    "recorded": a real run's own lengths (`recorded`)."""
     len_median: int = 4096
     len_sigma: float = 1.0
     len_max: int = 20480
     group_corr: float = 0.0
     """Share of the log-length variance common to a group's members (0: independent)."""
+    recorded: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """"recorded": the response lengths of real runs, one tuple of groups per run. The
+    simulation seed picks the run (seed mod runs), and group `gid` is that run's group
+    `gid`; a group the run did not record (generated, never consumed) is one of its
+    groups, drawn from (seed, gid)."""
     len_growth: float = 0.0
     """The median grows linearly by this fraction over the run's groups (1.0: doubles)."""
     turns: int = 1
@@ -62,6 +68,12 @@ class WorkloadSpec:
         check(0 <= self.group_corr <= 1, "WorkloadSpec", "group_corr", self.group_corr,
               "must be in [0, 1]")
         check(self.len_growth >= 0, "WorkloadSpec", "len_growth", self.len_growth, "must be >= 0")
+        if self.response == "recorded":
+            check(bool(self.recorded) and all(self.recorded), "WorkloadSpec", "recorded",
+                  len(self.recorded), "must hold at least one run of at least one group")
+            check(all(len(g) == self.group_size for run in self.recorded for g in run),
+                  "WorkloadSpec", "recorded", "groups",
+                  f"every recorded group must have group_size={self.group_size} members")
         check(self.turns >= 1, "WorkloadSpec", "turns", self.turns, "must be >= 1")
         for name in ("tool_latency_s", "tool_latency_sigma", "tool_tokens"):
             check(getattr(self, name) >= 0, "WorkloadSpec", name, getattr(self, name), "must be >= 0")
@@ -79,6 +91,10 @@ def group_lengths(spec: WorkloadSpec, seed: int, gid: int, progress: float) -> n
         base = gid * spec.group_size
         return np.array([forced_length(rollout, seed, base + k) for k in range(spec.group_size)],
                         np.int64)
+    if spec.response == "recorded":
+        run = spec.recorded[seed % len(spec.recorded)]
+        pick = gid if gid < len(run) else int(np.random.default_rng([seed, gid]).integers(len(run)))
+        return np.asarray(run[pick], np.int64)
     if spec.response == "fixed":
         return np.full(spec.group_size, min(int(round(median)), spec.len_max), np.int64)
     rng = np.random.default_rng([seed, gid])

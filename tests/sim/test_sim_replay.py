@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from fnrl.sim import costs
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.repro import reproduce
-from fnrl.sim.repro import replay
+from fnrl.sim.repro import replay, replay_data
+from fnrl.sim.workload import WorkloadSpec, group_lengths
 
 from toy import TOY, toy_cfg
 
@@ -52,17 +54,108 @@ def test_one_core_shared_by_trainer_and_rollout_by_hand():
     assert Simulation(shared(cfg, 2), table=TOY).run()["train_wall_s"] == pytest.approx(11.3)
 
 
-def test_replay_inputs_from_the_measured_table():
-    assert replay.train_call_s() == pytest.approx((1 - 0.44) * 29 / 8)
-    assert replay.LEN_SIGMA == pytest.approx(0.778, abs=1e-3)
-    spec = replay.workload()
-    generate = 29 / 8 - replay.train_call_s()
-    longest = replay.expected_longest(spec)
+def test_a_two_thread_trainer_on_one_core_by_hand():
+    """The same schedule with the trainer on 2 threads (cluster.trainer_threads): alone it
+    steps at its own speed; beside the busy rollout 3 threads share the core, so the
+    rollout runs at a third of its speed and the trainer at 2/3 of its own (1.5×).
+
+    t=6.3  the step's 0.7 s left takes 1.05 s (ends 7.35); prefill 8 × 0.1 × 3 = 2.4 s (8.7)
+    t=7.35 the trainer is done: the rollout alone, 3 steps of 1 s from 8.7: 11.7
+    t=11.7 Consume v2 and a pull (to 12.2); then 0.7 s left × 1.5 → 13.25."""
+    cfg = dataclasses.replace(toy_cfg("one_step"), steps=3)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, shared_cores=1,
+                                                               trainer_threads=2))
+    sim = Simulation(cfg, table=TOY)
+    summary = sim.run()
+    assert events(sim) == [("train", 4.6, 5.8), ("pull", 5.8, 6.3), ("train", 5.8, 7.35),
+                           ("pull", 11.7, 12.2), ("train", 11.7, 13.25)]
+    assert summary["train_wall_s"] == pytest.approx(13.25)
+    with pytest.raises(ValueError, match="trainer_threads"):
+        dataclasses.replace(cfg.cluster, trainer_threads=0)
+
+
+def test_the_measured_record_holds_every_cell():
+    data = replay_data.load()
+    rounds = replay_data.rounds(data)
+    assert len(rounds) >= 3
+    for preset in replay.PRESETS:
+        for r in rounds:
+            cell = data["cells"][f"{preset}/{r}"]
+            assert cell["steps"] == replay.STEPS and len(cell["train_call_s"]) == replay.STEPS
+            assert len(cell["groups"]) >= replay.STEPS * replay.GROUPS
+            assert all(len(g) == replay.GROUP_SIZE for g in cell["groups"].values())
+            assert all(1 <= n <= replay.LEN_MAX for g in cell["groups"].values() for n in g)
+            # Every trained token is in a recorded group.
+            assert sum(map(sum, cell["groups"].values())) == cell["trained_tokens"]
+
+
+def test_replay_inputs_from_the_measured_runs():
+    data = replay_data.load()
+    sync = [c for c in data["cells"].values() if c["preset"] == "sync"]
+    assert replay.train_call_s() == pytest.approx(
+        statistics.median(statistics.fmean(c["train_call_s"]) for c in sync))
+    generate = statistics.median(c["rl_wall_s"] for c in sync) / replay.STEPS - replay.train_call_s()
+    longest = replay.sync_longest()
     assert 100 < longest <= replay.LEN_MAX
-    assert replay.decode_step_s(spec) * longest == pytest.approx(generate - replay.PULL_S - replay.TICK_S)
-    d = costs.load_profiled(replay.cost_file(spec))
+    assert replay.decode_step_s() * longest == pytest.approx(
+        generate - replay.pull_s() - replay.TICK_S)
+    d = costs.load_profiled(replay.cost_file())
     assert (d.cost.k1, d.cost.k2, d.cost.k3) == (0.0, 0.0, 0.0)
-    assert d.cost.k4 == pytest.approx(replay.decode_step_s(spec))
+    assert d.cost.k4 == pytest.approx(replay.decode_step_s())
+    # Seed s replays round s group by group; an unrecorded group is one of the round's.
+    spec = replay.workload("one_step")
+    r1 = data["cells"][f"one_step/{replay_data.rounds(data)[1]}"]["groups"]
+    first = sorted(r1, key=int)[3]
+    assert group_lengths(spec, 1, 3, 0.0).tolist() == r1[first]
+    beyond = group_lengths(spec, 1, 10_000, 0.0).tolist()
+    assert beyond in list(r1.values())
+    assert replay.measured_ratio("fnrl") == round(
+        statistics.median(replay_data.ratios_to(data, "fnrl")), 2)
+
+
+def test_recorded_workload_says_what_is_wrong():
+    with pytest.raises(ValueError, match="recorded"):
+        WorkloadSpec(group_size=2, response="recorded")
+    with pytest.raises(ValueError, match="group_size=2"):
+        WorkloadSpec(group_size=2, response="recorded", recorded=(((1, 2), (3, 4, 5)),))
+    spec = WorkloadSpec(group_size=2, response="recorded", recorded=(((1, 2),), ((7, 8), (9, 9))))
+    assert group_lengths(spec, 0, 0, 0.0).tolist() == [1, 2]
+    assert group_lengths(spec, 3, 1, 0.0).tolist() == [9, 9]   # seed 3: the second run
+
+
+def test_replay_data_reads_a_run_directory(tmp_path):
+    run = tmp_path / "preset=sync__seed=4"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"preset": "sync", "seed": 4, "steps": 2}))
+    (run / "summary.json").write_text(json.dumps({
+        "trained_tokens_per_s": 10.0, "rl_wall_s": 2.0, "trained_tokens": 7,
+        "trainer_idle_frac": 0.5, "rollout_idle_frac": 0.4, "interrupted": 0,
+        "reprefill_tokens": 0}))
+    step = {"kind": "train", "time/train_s": 0.4, "time/publish_s": 0.01, "pulls": 4}
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"kind": "eval", "step": 0},
+        {**step, "step": 1, "time/train_call_s": 0.5, "time/pull_s": 0.1},
+        {**step, "step": 2, "time/train_call_s": 1.25, "time/pull_s": 0.2})) + "\n")
+    groups = [{"group": "train-1", "trajectories": [
+                  {"prompt_ids": [1, 2, 3], "token_ids": [[5, 6], [7]]},
+                  {"prompt_ids": [1, 2, 3], "token_ids": [[5]]}]},
+              {"group": "train-0", "trajectories": [
+                  {"prompt_ids": [4], "token_ids": [[5, 6, 7]]},
+                  {"prompt_ids": [4], "token_ids": []}]}]
+    (run / "trajectories.jsonl").write_text("\n".join(map(json.dumps, groups)) + "\n")
+    (tmp_path / "preset=fnrl__seed=4").mkdir()     # started, never finished
+    (tmp_path / "preset=fnrl__seed=4" / "config.json").write_text("{}")
+    said = []
+    data = replay_data.extract(tmp_path, log=said.append)
+    assert said and "preset=fnrl__seed=4" in said[0]
+    cell = data["cells"]["sync/4"]
+    assert cell["train_call_s"] == pytest.approx([0.5, 0.75])
+    assert cell["pull_s"] == pytest.approx(0.05)
+    assert cell["groups"] == {"0": [3, 0], "1": [3, 1]}
+    assert cell["prompt_len"] == {"0": 1, "1": 3}
+    (run / "metrics.jsonl").write_text(json.dumps({**step, "step": 1}) + "\n")
+    with pytest.raises(ValueError, match="1 train records for 2 steps"):
+        replay_data.extract(tmp_path, log=said.append)
 
 
 def test_replay_quick_runs(tmp_path):
@@ -70,8 +163,10 @@ def test_replay_quick_runs(tmp_path):
     rows = {r["claim"]: r for r in res.rows()}
     assert set(rows) == {"fnrl × sync", "fnrl × sync, own cores", "sync, absolute",
                          "fnrl, absolute", "fnrl × sync, profiled decode",
+                         "fnrl × sync, one thread a role",
                          "sync, absolute, profiled decode", "fnrl, absolute, profiled decode"}
-    assert rows["fnrl × sync"]["paper"] == 1.22 and rows["sync, absolute"]["paper"] == 1.0
+    assert rows["fnrl × sync"]["paper"] == replay.measured_ratio("fnrl")
+    assert rows["sync, absolute"]["paper"] == 1.0
     assert all(r["tolerance"] == 0.15 for r in rows.values())
     s = res.summaries[0]
     assert s["sync"]["steps"] == 3 and s["fnrl"]["steps"] == 3
@@ -83,4 +178,4 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 7
+    assert len(out["rows"]) == 8

