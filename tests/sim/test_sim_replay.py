@@ -113,6 +113,20 @@ def test_replay_inputs_from_the_measured_runs():
         statistics.median(replay_data.ratios_to(data, "fnrl")), 2)
 
 
+def test_the_trainer_threads_runs_take_their_own_sync():
+    data = replay_data.load(replay_data.THREADS_MEASURED)
+    keys = {c["preset"] for c in data["cells"].values()}
+    assert keys == {"sync", "fnrl", "sync@1thread", "fnrl@1thread"}
+    assert {c["trainer_threads"] for c in data["cells"].values()} == {0, 1}
+    runs = replay.setup(quick=True).runs
+    one, two = runs["threads:fnrl@1thread"].cluster, runs["threads:fnrl"].cluster
+    assert (one.trainer_threads, two.trainer_threads) == (1, replay.TRAINER_THREADS)
+    publish = replay.publish_s("threads")
+    assert one.train_step_s == pytest.approx(replay.train_call_s("threads", "sync@1thread") - publish)
+    assert two.train_step_s == pytest.approx(replay.train_call_s("threads") - publish)
+    assert runs["threads:fnrl@1thread"].workload.recorded == replay.recorded("fnrl@1thread", "threads")
+
+
 def test_recorded_workload_says_what_is_wrong():
     with pytest.raises(ValueError, match="recorded"):
         WorkloadSpec(group_size=2, response="recorded")
@@ -164,7 +178,10 @@ def test_replay_quick_runs(tmp_path):
     assert set(rows) == {"fnrl × sync", "fnrl × sync, own cores", "sync, absolute",
                          "fnrl, absolute", "fnrl × sync, profiled decode",
                          "fnrl × sync, one thread a role",
-                         "sync, absolute, profiled decode", "fnrl, absolute, profiled decode"}
+                         "sync, absolute, profiled decode", "fnrl, absolute, profiled decode",
+                         "fnrl × sync (trainer threads run)",
+                         "sync@1thread × sync (trainer threads run)",
+                         "fnrl@1thread × sync (trainer threads run)"}
     assert rows["fnrl × sync"]["paper"] == replay.measured_ratio("fnrl")
     assert rows["sync, absolute"]["paper"] == 1.0
     assert all(r["tolerance"] == 0.15 for r in rows.values())
@@ -178,4 +195,10 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 8
+    assert len(out["rows"]) == 11
+    # The trainer-threads run: a one-thread trainer steps alone in sync@1thread's
+    # measured call, on one thread; the two-thread runs in sync's.
+    one, two = s["threads:fnrl@1thread"], s["threads:fnrl"]
+    assert one["steps"] == two["steps"] == 3
+    assert rows["fnrl@1thread × sync (trainer threads run)"]["paper"] == replay.measured_ratio(
+        "fnrl@1thread", "threads")

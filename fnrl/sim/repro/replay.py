@@ -28,7 +28,11 @@ real runs comes from there:
   thread each (fnrl.serving.server), the trainer one per allowed CPU
   (`trainer.cpu_threads = 0`, the default: 2 here). The `own cores` rows give every role
   its own device; the `one thread a role` rows count the trainer as one thread, the
-  replay's model before 2026-11-26.
+  replay's model before 2026-11-27.
+
+A second record, THREADS_MEASURED (benchmarks/ablations/trainer_threads.yaml: sync and
+fnrl with the trainer on every core and on one), is replayed the same way from its own
+sync cells; its one-thread fnrl is a prediction (`threads_runs`).
 """
 
 from __future__ import annotations
@@ -59,64 +63,70 @@ TOLERANCE = 0.15            # issue 13: the replay within ±15% of the measured 
 PROFILE = Path(__file__).resolve().parents[1] / "decode_embedded_cpu.json"
 
 
+RECORDS = {"presets": replay_data.PRESETS_MEASURED,   # benchmarks/presets.py
+           "threads": replay_data.THREADS_MEASURED}   # benchmarks/ablations/trainer_threads.yaml
+
+
 @functools.cache
-def measured() -> dict:
-    return replay_data.load()
+def measured(which: str = "presets") -> dict:
+    return replay_data.load(RECORDS[which])
 
 
-def recorded(preset: str) -> tuple:
+def recorded(preset: str, which: str = "presets") -> tuple:
     """`preset`'s consumed groups' lengths, one tuple of groups (by index) per round."""
-    data = measured()
+    data = measured(which)
     return tuple(tuple(tuple(g) for _, g in sorted(data["cells"][f"{preset}/{r}"]["groups"].items(),
                                                    key=lambda kv: int(kv[0])))
                  for r in replay_data.rounds(data))
 
 
-def prompt_len() -> int:
-    lens = [n for c in measured()["cells"].values() for n in c["prompt_len"].values()]
+def prompt_len(which: str = "presets") -> int:
+    lens = [n for c in measured(which)["cells"].values() for n in c["prompt_len"].values()]
     return round(statistics.median(lens))
 
 
-def workload(preset: str) -> WorkloadSpec:
-    return WorkloadSpec(groups_per_step=GROUPS, group_size=GROUP_SIZE, prompt_len=prompt_len(),
-                        response="recorded", recorded=recorded(preset), len_max=LEN_MAX)
+def workload(preset: str, which: str = "presets") -> WorkloadSpec:
+    return WorkloadSpec(groups_per_step=GROUPS, group_size=GROUP_SIZE,
+                        prompt_len=prompt_len(which), response="recorded",
+                        recorded=recorded(preset, which), len_max=LEN_MAX)
 
 
-def train_call_s() -> float:
-    return replay_data.median_of(measured(), "sync", "train_call_s")
+def train_call_s(which: str = "presets", sync: str = "sync") -> float:
+    """`sync`'s mean train call (median over rounds): its trainer steps alone."""
+    return replay_data.median_of(measured(which), sync, "train_call_s")
 
 
-def publish_s() -> float:
-    return replay_data.median_of(measured(), "sync", "publish_s")
+def publish_s(which: str = "presets") -> float:
+    return replay_data.median_of(measured(which), "sync", "publish_s")
 
 
-def pull_s() -> float:
-    return replay_data.median_of(measured(), "sync", "pull_s")
+def pull_s(which: str = "presets") -> float:
+    return replay_data.median_of(measured(which), "sync", "pull_s")
 
 
-def sync_longest() -> float:
+def sync_longest(which: str = "presets") -> float:
     """The mean over sync's batches (every round) of a batch's longest response: sync
     trains the groups it routed in order, GROUPS a step."""
     longest = [max(max(run[g]) for g in range(k * GROUPS, (k + 1) * GROUPS))
-               for run in recorded("sync") for k in range(len(run) // GROUPS)]
+               for run in recorded("sync", which) for k in range(len(run) // GROUPS)]
     return statistics.fmean(longest)
 
 
-def decode_step_s() -> float:
+def decode_step_s(which: str = "presets") -> float:
     """Sync's generation time a step, less its pull and one tick, over its longest response."""
-    wall = replay_data.median_of(measured(), "sync", "rl_wall_s")
-    generate_s = wall / STEPS - train_call_s()
-    return (generate_s - pull_s() - TICK_S) / sync_longest()
+    wall = replay_data.median_of(measured(which), "sync", "rl_wall_s")
+    generate_s = wall / STEPS - train_call_s(which)
+    return (generate_s - pull_s(which) - TICK_S) / sync_longest(which)
 
 
-def cost_file() -> str:
+def cost_file(which: str = "presets") -> str:
     """The derived decode model in the JSON form `profile_cost` writes (the simulator's
     `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence."""
-    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(), "k5": 1.0,
+    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(which), "k5": 1.0,
             "prefill_s_per_token": 0.0, "per_request_s": 0.0,
             "source": "fnrl/sim/repro/replay.py: derived from sync in "
-                      + measured()["source"]}
-    path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / "decode.json"
+                      + measured(which)["source"]}
+    path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"decode_{which}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1)
     if not path.exists() or path.read_text() != text:
@@ -133,17 +143,50 @@ def profile_line() -> str:
             f"{record['engine']['cpu_threads']} thread: {summary_line(record)}")
 
 
-def measured_run(preset: str):
+def measured_run(preset: str, which: str = "presets"):
     """The measured cell as a run: simulation seed s is round s."""
     def run(seed: int) -> dict:
-        data = measured()
+        data = measured(which)
         r = replay_data.rounds(data)[seed % len(replay_data.rounds(data))]
         return {"trained_tokens_per_s": data["cells"][f"{preset}/{r}"]["trained_tokens_per_s"]}
     return run
 
 
-def measured_ratio(preset: str) -> float:
-    return round(statistics.median(replay_data.ratios_to(measured(), preset)), 2)
+def measured_ratio(preset: str, which: str = "presets") -> float:
+    return round(statistics.median(replay_data.ratios_to(measured(which), preset)), 2)
+
+
+def host(which: str, sync: str, threads: int) -> ClusterSpec:
+    """This machine as the record `which` measured it: the derived decode, the train call
+    of `sync` (its trainer alone), sync's publish and pull, 2 cores shared thread by
+    thread with a trainer of `threads` threads."""
+    return ClusterSpec(decode=cost_file(which), train_gpus=1, rollout_tp=1,
+                       kv_capacity_tokens=KV_TOKENS, max_num_seqs=256,
+                       train_step_s=train_call_s(which, sync) - publish_s(which),
+                       publish_s=publish_s(which), pull_s=pull_s(which), shared_cores=CORES,
+                       trainer_threads=threads)
+
+
+def threads_runs(steps: int) -> tuple[dict, tuple]:
+    """benchmarks/ablations/trainer_threads.yaml replayed: sync and fnrl with the trainer
+    on every core (2 threads) and on one. The one-thread trainer's step alone is sync's
+    one-thread call, measured; everything else as the presets replay derives it, from
+    this run's own sync. The one-thread rows' ratios are predictions."""
+    which = "threads"
+    runs, claims = {}, ()
+    for preset, threads in (("sync", TRAINER_THREADS), ("fnrl", TRAINER_THREADS),
+                            ("sync", 1), ("fnrl", 1)):
+        key = preset if threads == TRAINER_THREADS else f"{preset}@1thread"
+        cluster = host(which, "sync" if threads == TRAINER_THREADS else "sync@1thread", threads)
+        runs[f"threads:{key}"] = SimConfig(
+            preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S, loop_ticks=True,
+            cluster=cluster, workload=workload(key, which), plots=False)
+        runs[f"threads:measured_{key}"] = measured_run(key, which)
+        if key != "sync":
+            claims += (Claim(name=f"{key} × sync (trainer threads run)", system=f"threads:{key}",
+                             baseline="threads:sync", paper=measured_ratio(key, which),
+                             metric="trained_tokens_per_s", tolerance=TOLERANCE),)
+    return runs, claims
 
 
 VARIANTS = {   # suffix -> (what it changes, claim label)
@@ -158,10 +201,7 @@ VARIANTS = {   # suffix -> (what it changes, claim label)
 def setup(quick: bool = False) -> Setup:
     steps = 3 if quick else STEPS
     presets = ("sync", "fnrl") if quick else PRESETS
-    base = ClusterSpec(decode=cost_file(), train_gpus=1, rollout_tp=1,
-                       kv_capacity_tokens=KV_TOKENS, max_num_seqs=256,
-                       train_step_s=train_call_s() - publish_s(), publish_s=publish_s(),
-                       pull_s=pull_s(), shared_cores=CORES, trainer_threads=TRAINER_THREADS)
+    base = host("presets", "sync", TRAINER_THREADS)
 
     def config(preset: str, cluster: ClusterSpec) -> SimConfig:
         return SimConfig(preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
@@ -180,6 +220,10 @@ def setup(quick: bool = False) -> Setup:
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
                     for suffix, (_, label) in VARIANTS.items() if suffix in ("", "_profiled")
                     for p in presets)
+    if RECORDS["threads"].exists():
+        more_runs, more_claims = threads_runs(steps)
+        runs.update(more_runs)
+        claims += more_claims
     data = measured()
     return Setup(
         paper="Replay of this machine's presets benchmark",

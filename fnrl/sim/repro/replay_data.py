@@ -3,7 +3,9 @@
     python -m fnrl.sim.repro.replay_data RUN_ROOT [--out fnrl/sim/repro/presets_measured.json]
 
 RUN_ROOT is the output of `benchmarks/presets.py --out RUN_ROOT` (one run directory per
-preset and round). Each cell's record keeps what the simulator needs to replay it and
+preset and round), or of another ablation over its setup (benchmarks/ablations/
+trainer_threads.yaml: a cell whose trainer ran on N CPU threads, `trainer.cpu_threads`,
+is keyed "PRESET@Nthread"). Each cell's record keeps what the simulator needs to replay it and
 what it is compared with, all read from the run's own logs:
 
 - `trained_tokens_per_s`, `rl_wall_s`, idle shares: summary.json (the loop's figures);
@@ -29,6 +31,7 @@ from pathlib import Path
 from fnrl.control.metrics import read_jsonl
 
 PRESETS_MEASURED = Path(__file__).resolve().parent / "presets_measured.json"
+THREADS_MEASURED = Path(__file__).resolve().parent / "trainer_threads_measured.json"
 
 
 def cell_record(run_dir: Path) -> dict:
@@ -49,8 +52,10 @@ def cell_record(run_dir: Path) -> dict:
         groups[index] = [sum(len(ids) for ids in t["token_ids"]) for t in members]
         prompts[index] = len(members[0]["prompt_ids"])
     last = steps[-1]
+    threads = config.get("trainer", {}).get("cpu_threads", 0)
     return {
-        "preset": config["preset"], "round": config["seed"], "steps": config["steps"],
+        "preset": config["preset"] + (f"@{threads}thread" if threads else ""),
+        "trainer_threads": threads, "round": config["seed"], "steps": config["steps"],
         "trained_tokens_per_s": summary["trained_tokens_per_s"],
         "rl_wall_s": summary["rl_wall_s"], "trained_tokens": summary["trained_tokens"],
         "trainer_idle_frac": summary["trainer_idle_frac"],
