@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from fnrl.control.metrics import read_jsonl
+from fnrl.control.roles import read_roles
 from fnrl.experiments.ablate import cell_command, pinned, raise_system_exit, write_cell_file
 from fnrl.experiments.ablation_grid import expand, read_spec
 
@@ -51,12 +53,12 @@ def cpu_s(pid: int, children: bool) -> float | None:
 
 def sample(job: subprocess.Popen, run_dir: Path, every: float) -> list[tuple[float, dict]]:
     """(epoch, {role: CPU seconds so far}) until the job ends."""
-    samples, roles = [], {}
+    samples, roles, seen = [], {}, None
     while job.poll() is None:
-        try:   # re-read: the roles are written as they start (and restart)
-            roles = {k: v["pid"] for k, v in json.loads((run_dir / "roles.json").read_text()).items()}
-        except (OSError, json.JSONDecodeError, KeyError):
-            pass
+        path = run_dir / "roles.json"   # rewritten (atomically) as roles start and restart
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        if stamp != seen:
+            roles, seen = {k: v["pid"] for k, v in read_roles(path).items()}, stamp
         now = {"controller": cpu_s(job.pid, children=False)}
         now.update({k: cpu_s(pid, children=True) for k, pid in roles.items()})
         samples.append((time.time(), {k: v for k, v in now.items() if v is not None}))
@@ -67,8 +69,8 @@ def sample(job: subprocess.Popen, run_dir: Path, every: float) -> list[tuple[flo
 def states(run_dir: Path):
     """The run's timeline as functions of epoch time: running sequences per rollout, and
     whether a train call is in flight."""
-    t0 = next(json.loads(line)["epoch"] for line in (run_dir / "attempts.jsonl").open()
-              if json.loads(line).get("event") == "start")
+    t0 = next(r["epoch"] for r in read_jsonl(run_dir / "attempts.jsonl")
+              if r.get("event") == "start")
     timeline = json.loads((run_dir / "timeline.json").read_text())
     snaps = [e for e in timeline if "running" in e]
     ts = [t0 + e["t"] for e in snaps]

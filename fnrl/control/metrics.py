@@ -67,13 +67,18 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def generated_length(trajectory: dict) -> int:
+    """A trajectory record's generated tokens over all its segments (trajectories.jsonl)."""
+    return sum(n for _, n in trajectory["segments"])
+
+
 def response_lengths(run_dir: Path) -> np.ndarray:
     """The generated length (tokens, every segment) of each trained trajectory, from
     trajectories.jsonl (one line per consumed group); empty if the run trained none."""
     path = run_dir / "trajectories.jsonl"
     if not path.exists():
         return np.zeros(0, np.int64)
-    return np.array([sum(n for _, n in t["segments"]) for group in read_jsonl(path)
+    return np.array([generated_length(t) for group in read_jsonl(path)
                      for t in group["trajectories"]], np.int64)
 
 

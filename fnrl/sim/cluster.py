@@ -81,7 +81,7 @@ class Simulation:
         self.done = False
         self.training: dict = {}              # the train step in flight
         self.train_gen = 0                    # bumps invalidate a rescheduled TRAIN event
-        self.slowdown = 1.0                   # cluster.shared_cores: the train step's
+        self.train_slowdown = 1.0             # cluster.shared_cores: the train step's
         self.inst_slowdown = 1.0              # ... and each rollout's decode
         self.seq_tokens = 0                   # trained prompt + response tokens
         self.stats = Counter()                # the simulator's own: events, cycles, decide_s
@@ -161,13 +161,13 @@ class Simulation:
                 inst.set_slowdown(f_inst)
                 self.dirty_inst.add(r)
             self.inst_slowdown = f_inst
-        if f_train != self.slowdown:
+        if f_train != self.train_slowdown:
             if self.book.trainer_busy:
                 p = self.training
-                p["end"] = self.now + (p["end"] - self.now) * f_train / self.slowdown
+                p["end"] = self.now + (p["end"] - self.now) * f_train / self.train_slowdown
                 self.train_gen += 1
                 self.push(p["end"], TRAIN, self.train_gen)
-            self.slowdown = f_train
+            self.train_slowdown = f_train
 
     def tick(self, at: float) -> None:
         """A cycle at `at` unless something wakes one sooner (supersedes any other)."""
@@ -481,7 +481,7 @@ class Simulation:
             self.training.update(t0=first, busy_s=train_s + self.lay.publish_s,
                                  end=last + train_s / k + self.lay.publish_s)
         else:
-            self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.slowdown
+            self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.train_slowdown
         self.push(self.training["end"], TRAIN, self.train_gen)
 
     def train_done(self) -> bool:

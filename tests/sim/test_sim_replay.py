@@ -151,11 +151,11 @@ def test_replay_data_reads_a_run_directory(tmp_path):
         {**step, "step": 1, "time/train_call_s": 0.5, "time/pull_s": 0.1},
         {**step, "step": 2, "time/train_call_s": 1.25, "time/pull_s": 0.2})) + "\n")
     groups = [{"group": "train-1", "trajectories": [
-                  {"prompt_ids": [1, 2, 3], "token_ids": [[5, 6], [7]]},
-                  {"prompt_ids": [1, 2, 3], "token_ids": [[5]]}]},
+                  {"prompt_ids": [1, 2, 3], "segments": [[0, 2], [1, 1]]},
+                  {"prompt_ids": [1, 2, 3], "segments": [[0, 1]]}]},
               {"group": "train-0", "trajectories": [
-                  {"prompt_ids": [4], "token_ids": [[5, 6, 7]]},
-                  {"prompt_ids": [4], "token_ids": []}]}]
+                  {"prompt_ids": [4], "segments": [[1, 3]]},
+                  {"prompt_ids": [4], "segments": []}]}]
     (run / "trajectories.jsonl").write_text("\n".join(map(json.dumps, groups)) + "\n")
     (tmp_path / "preset=fnrl__seed=4").mkdir()     # started, never finished
     (tmp_path / "preset=fnrl__seed=4" / "config.json").write_text("{}")

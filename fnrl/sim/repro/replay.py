@@ -167,6 +167,13 @@ def host(which: str, sync: str, threads: int) -> ClusterSpec:
                        trainer_threads=threads)
 
 
+def sim_config(preset: str, cluster: ClusterSpec, workload: WorkloadSpec, steps: int) -> SimConfig:
+    """The benchmark's job on the simulator: one trainer and SERVERS rollouts, the loop's
+    own ticks."""
+    return SimConfig(preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
+                     loop_ticks=True, cluster=cluster, workload=workload, plots=False)
+
+
 def threads_runs(steps: int) -> tuple[dict, tuple]:
     """benchmarks/ablations/trainer_threads.yaml replayed: sync and fnrl with the trainer
     on every core (2 threads) and on one. The one-thread trainer's step alone is sync's
@@ -178,9 +185,7 @@ def threads_runs(steps: int) -> tuple[dict, tuple]:
                             ("sync", 1), ("fnrl", 1)):
         key = preset if threads == TRAINER_THREADS else f"{preset}@1thread"
         cluster = host(which, "sync" if threads == TRAINER_THREADS else "sync@1thread", threads)
-        runs[f"threads:{key}"] = SimConfig(
-            preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S, loop_ticks=True,
-            cluster=cluster, workload=workload(key, which), plots=False)
+        runs[f"threads:{key}"] = sim_config(preset, cluster, workload(key, which), steps)
         runs[f"threads:measured_{key}"] = measured_run(key, which)
         if key != "sync":
             claims += (Claim(name=f"{key} × sync (trainer threads run)", system=f"threads:{key}",
@@ -202,16 +207,10 @@ def setup(quick: bool = False) -> Setup:
     steps = 3 if quick else STEPS
     presets = ("sync", "fnrl") if quick else PRESETS
     base = host("presets", "sync", TRAINER_THREADS)
-
-    def config(preset: str, cluster: ClusterSpec) -> SimConfig:
-        return SimConfig(preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
-                         loop_ticks=True, cluster=cluster, workload=workload(preset),
-                         plots=False)
-
     runs, claims, metric = {}, (), "trained_tokens_per_s"
     for suffix, (change, label) in VARIANTS.items():
         cluster = dataclasses.replace(base, **change)
-        runs.update({f"{p}{suffix}": config(p, cluster) for p in presets})
+        runs.update({f"{p}{suffix}": sim_config(p, cluster, workload(p), steps) for p in presets})
         claims += tuple(Claim(name=f"{p} × sync{label}", system=f"{p}{suffix}",
                               baseline=f"sync{suffix}", paper=measured_ratio(p), metric=metric,
                               tolerance=TOLERANCE) for p in presets if p != "sync")
@@ -220,10 +219,9 @@ def setup(quick: bool = False) -> Setup:
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
                     for suffix, (_, label) in VARIANTS.items() if suffix in ("", "_profiled")
                     for p in presets)
-    if RECORDS["threads"].exists():
-        more_runs, more_claims = threads_runs(steps)
-        runs.update(more_runs)
-        claims += more_claims
+    more_runs, more_claims = threads_runs(steps)
+    runs.update(more_runs)
+    claims += more_claims
     data = measured()
     return Setup(
         paper="Replay of this machine's presets benchmark",

@@ -28,19 +28,16 @@ import statistics
 import sys
 from pathlib import Path
 
-from fnrl.control.metrics import read_jsonl
+from fnrl.control.metrics import generated_length, read_jsonl
 
 PRESETS_MEASURED = Path(__file__).resolve().parent / "presets_measured.json"
 THREADS_MEASURED = Path(__file__).resolve().parent / "trainer_threads_measured.json"
 
 
 def cell_record(run_dir: Path) -> dict:
-    """One measured cell (a preset in one round) from its run directory."""
+    """One measured cell (a preset in one round) from its finished run directory."""
     config = json.loads((run_dir / "config.json").read_text())
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
-        raise ValueError(f"{run_dir}: no summary.json (the cell did not finish)")
-    summary = json.loads(summary_path.read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     if len(steps) != config["steps"]:
         raise ValueError(f"{run_dir}: {len(steps)} train records for {config['steps']} steps")
@@ -49,7 +46,7 @@ def cell_record(run_dir: Path) -> dict:
     for line in read_jsonl(run_dir / "trajectories.jsonl"):
         index = int(line["group"].rsplit("-", 1)[1])
         members = line["trajectories"]
-        groups[index] = [sum(len(ids) for ids in t["token_ids"]) for t in members]
+        groups[index] = [generated_length(t) for t in members]
         prompts[index] = len(members[0]["prompt_ids"])
     last = steps[-1]
     threads = config.get("trainer", {}).get("cpu_threads", 0)
@@ -82,7 +79,7 @@ def extract(root: Path, log=print) -> dict:
         cells[f"{record['preset']}/{record['round']}"] = record
     if not cells:
         raise ValueError(f"{root}: no finished run directories under it")
-    return {"source": f"benchmarks/presets.py --out {root.name}", "cells": cells}
+    return {"source": f"the run directories of {root.name}", "cells": cells}
 
 
 def load(path: Path = PRESETS_MEASURED) -> dict:
