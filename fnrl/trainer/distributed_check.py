@@ -4,9 +4,12 @@
     python -m fnrl.trainer.distributed_check --out DIR [--distributed.num-processes 0 ...]
 
 Each process joins the group (fnrl.trainer.distributed), then:
-  - reduce_scatter: a psum_scatter over every device of the group on float32 tensors of
-    `reduce_scatter_mib` MiB per output shard, of whole numbers, so any summation order
-    gives the exact result; each process writes its devices' output shards.
+  - reduce_scatter: a sum over every device of the group, each device keeping its shard,
+    on float32 tensors of `reduce_scatter_mib` MiB per output shard, of whole numbers, so
+    any summation order gives the exact result; each process writes its devices' output
+    shards. It is compiled as the train step's gradient reduction is (see
+    `scatter_sum`), and the check refuses to run a program holding XLA:CPU's native
+    reduce-scatter.
   - step: the real jitted train step (fnrl.trainer.step) of a tiny decoder on a fixed
     batch over the global mesh, `steps` times; every process writes the whole params.
   - checkpoint: the state after the steps is saved with fnrl.trainer.checkpoint in every
@@ -95,6 +98,34 @@ def _flat(tree, prefix: str) -> dict:
             for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+# XLA:CPU's native reduce-scatter runs gloo's halving-doubling algorithm, which can
+# return wrong values at the end of rank 0's shard for shards of a few MiB, with no error
+# (jax-ml/jax#40830; seen once in this check's CI run, on a 12 MiB shard of rank 0).
+# The SPMD partitioner does not emit it on CPU: fnrl's train step reduces its FSDP
+# gradients with all-reduce and keeps its slice (tests/trainer/test_distributed.py
+# checks the compiled step). The check reduces the same way, so it checks what a CPU
+# trainer group runs; on GPU the native op is NCCL's and is the one checked.
+NATIVE_REDUCE_SCATTER = " reduce-scatter("
+
+
+def scatter_sum(mesh, axis: str, platform: str):
+    """f(x) over `mesh`: the sum over `axis` of every device's x, each device keeping its
+    own 1/n slice (a tiled psum_scatter), as all-reduce + slice on CPU."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def native(x):
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+
+    def all_reduce_then_slice(x):
+        n = x.shape[0] // jax.lax.axis_size(axis)
+        return jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, axis),
+                                            jax.lax.axis_index(axis) * n, n)
+
+    body = all_reduce_then_slice if platform == "cpu" else native
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+
+
 def check_reduce_scatter(args: CheckArgs, out: Path, rank: int) -> None:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -102,9 +133,8 @@ def check_reduce_scatter(args: CheckArgs, out: Path, rank: int) -> None:
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("x",), devices=devices)
     sharding = NamedSharding(mesh, P("x"))
-    scatter = jax.jit(jax.shard_map(
-        lambda x: jax.lax.psum_scatter(x, "x", scatter_dimension=0, tiled=True),
-        mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    platform = devices[0].platform
+    scatter = scatter_sum(mesh, "x", platform)
     written = {}
     for mib in args.reduce_scatter_mib:
         n = scatter_input(mib, 0, len(devices)).size
@@ -113,6 +143,11 @@ def check_reduce_scatter(args: CheckArgs, out: Path, rank: int) -> None:
         global_in = jax.make_array_from_callback(
             (n * len(devices),), sharding,
             lambda index: scatter_input(mib, index[0].start // n, len(devices)))
+        if platform == "cpu":
+            hlo = scatter.lower(global_in).compile().as_text()
+            if NATIVE_REDUCE_SCATTER in hlo:
+                raise RuntimeError("XLA compiled the CPU scatter_sum to a native "
+                                   "reduce-scatter, which jax-ml/jax#40830 makes unsafe")
         result = scatter(global_in)
         for shard in result.addressable_shards:
             written[f"{mib}/{shard.index[0].start // (n // len(devices))}"] = np.asarray(

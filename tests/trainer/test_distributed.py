@@ -20,7 +20,8 @@ from fnrl.shell.net import free_port
 from fnrl.sharding.mesh import batch_sharding, global_arrays, make_mesh
 from fnrl.trainer.distributed import (first_slurm_host, join, resolve_group,
                                       set_local_devices)
-from fnrl.trainer.distributed_check import CheckArgs, scatter_input
+from fnrl.trainer.distributed_check import (NATIVE_REDUCE_SCATTER, CheckArgs, _tiny_trainer,
+                                            scatter_input, scatter_sum, toy_batch)
 
 
 # ---------------------------------------------------------------- config and resolution
@@ -145,6 +146,34 @@ def test_global_arrays_place_a_host_batch_like_device_put():
             s.index for s in expected.addressable_shards]
         assert len({s.data.shape for s in x.addressable_shards}) == 1
         assert x.addressable_shards[0].data.shape[0] == 2
+
+
+@pytest.mark.parametrize("data, fsdp", [(1, 4), (2, 2)])
+def test_cpu_train_step_holds_no_native_reduce_scatter(data, fsdp):
+    """XLA:CPU's native reduce-scatter can be wrong across processes (jax-ml/jax#40830):
+    the step must reduce its FSDP gradients without it, as it does on jax 0.10."""
+    step, state, _, mesh = _tiny_trainer(CheckArgs(out="-", data=data, fsdp=fsdp))
+    batch = global_arrays(toy_batch(8), batch_sharding(mesh))
+    hlo = step.lower(state, batch).compile().as_text()
+    assert " all-reduce(" in hlo and NATIVE_REDUCE_SCATTER not in hlo
+    # The marker does find the native op where one is compiled.
+    native = jax.jit(jax.shard_map(
+        lambda x: jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0, tiled=True),
+        mesh=mesh, in_specs=jax.P("fsdp"), out_specs=jax.P("fsdp")))
+    assert NATIVE_REDUCE_SCATTER in native.lower(np.zeros(64, np.float32)).compile().as_text()
+
+
+def test_scatter_sum_on_cpu_is_a_reduce_scatter():
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    inputs = [scatter_input(0.01, d, 4) for d in range(4)]
+    n = inputs[0].size // 4
+    scatter = scatter_sum(mesh, "x", "cpu")
+    x = jax.device_put(np.concatenate(inputs), jax.NamedSharding(mesh, jax.P("x")))
+    assert NATIVE_REDUCE_SCATTER not in scatter.lower(x).compile().as_text()
+    got = np.asarray(scatter(x))
+    total = np.sum(inputs, axis=0)
+    # Device d holds the sum's d-th slice: the global result is the sum itself.
+    assert got.shape == (4 * n,) and np.array_equal(got, total)
 
 
 def test_check_args_refuse_unknown_checks(tmp_path):
