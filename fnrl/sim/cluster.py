@@ -83,6 +83,8 @@ class Simulation:
         self.train_gen = 0                    # bumps invalidate a rescheduled TRAIN event
         self.train_slowdown = 1.0             # cluster.shared_cores: the train step's
         self.inst_slowdown = 1.0              # ... and each rollout's decode
+        self.corun = costs.load_corun(cfg.cluster.corun) if cfg.cluster.corun else None
+        self.trained_buckets: set[int] = set()   # cluster.train_bucket_s: first uses
         self.seq_tokens = 0                   # trained prompt + response tokens
         self.stats = Counter()                # the simulator's own: events, cycles, decide_s
         self.timeline: list[dict] = []
@@ -146,15 +148,26 @@ class Simulation:
         the trainer in a step runs `trainer_threads` threads, a busy rollout one, and when
         there are more threads than cores each gets cores / threads of one. A rollout's
         decode is timed on a core of its own, the train step on min(threads, cores)
-        cores (as it runs alone). When a factor changes, the train step in flight is
+        cores (as it runs alone); the serial part of a step (a first use's load,
+        ClusterSpec.train_bucket_s) runs one thread. With a co-run table
+        (ClusterSpec.corun) the step's other work and the decode are slowed by the
+        measured factors instead. When a factor changes, the train step in flight is
         re-timed (the work left, at the new speed) and every rollout from its last step
         boundary (a prefill in progress keeps its end). A rollout is busy with a running
         batch or a queue it will admit."""
         c = self.cfg.cluster
         servers = sum((i.n > 0 or bool(i.queue)) and not i.pulling for i in self.inst)
-        threads = c.trainer_threads * int(self.book.trainer_busy) + servers
-        f_inst = max(1.0, threads / c.shared_cores)    # 1 / each thread's share of a core
-        f_train = min(c.trainer_threads, c.shared_cores) * f_inst / c.trainer_threads
+        busy = self.book.trainer_busy
+        threads = c.trainer_threads * int(busy) + servers
+        serial = max(1.0, (int(busy) + servers) / c.shared_cores)   # one trainer thread
+        if self.corun is None:
+            f_inst = max(1.0, threads / c.shared_cores)    # 1 / each thread's share of a core
+            f_par = min(c.trainer_threads, c.shared_cores) * f_inst / c.trainer_threads
+        else:
+            f_inst = self.corun.server_factor(servers, busy)
+            f_par = self.corun.trainer_factor(servers)
+        frac = self.training.get("serial_frac", 0.0) if busy else 0.0
+        f_train = frac * serial + (1.0 - frac) * f_par
         if f_inst != self.inst_slowdown:
             for r, inst in enumerate(self.inst):
                 inst.advance(self.now)
@@ -162,7 +175,7 @@ class Simulation:
                 self.dirty_inst.add(r)
             self.inst_slowdown = f_inst
         if f_train != self.train_slowdown:
-            if self.book.trainer_busy:
+            if busy:
                 p = self.training
                 p["end"] = self.now + (p["end"] - self.now) * f_train / self.train_slowdown
                 self.train_gen += 1
@@ -457,8 +470,12 @@ class Simulation:
                     worst = max(worst, cmd.version - version)
                 seq_lens.append(int(tr.prompt[tid] + tr.gen[tid]))
         c = self.cfg.cluster
-        train_s = c.train_step_s or costs.train_step_s(self.lay.model, self.lay.gpu,
-                                                       self.lay.train_gpus, seq_lens, self.lay.train)
+        serial_s = 0.0
+        if c.train_bucket_s:
+            train_s, serial_s = self.bucket_call_s(max(seq_lens) - 1)
+        else:
+            train_s = c.train_step_s or costs.train_step_s(
+                self.lay.model, self.lay.gpu, self.lay.train_gpus, seq_lens, self.lay.train)
         book.trainer_busy = True
         # `tokens` is the job's: response tokens (the loss mask); the seeds count prompt
         # and response tokens (`seq_tokens`).
@@ -467,7 +484,8 @@ class Simulation:
         if self.replanner is not None:
             self.replanner.record(responses)
         hist_list = [hist.get(k, 0) for k in range(max(hist, default=0) + 1)]
-        self.training = {"tokens": int(responses.sum()), "seq_tokens": int(sum(seq_lens)),
+        self.training = {"serial_frac": serial_s / max(train_s + self.lay.publish_s, 1e-12),
+                         "tokens": int(responses.sum()), "seq_tokens": int(sum(seq_lens)),
                          "t0": self.now, "handed": self.now, "train_s": train_s,
                          "staleness_hist": hist_list,
                          "checked": checked, "worst": worst, "groups": len(cmd.gids),
@@ -483,6 +501,17 @@ class Simulation:
         else:
             self.training["end"] = self.now + (train_s + self.lay.publish_s) * self.train_slowdown
         self.push(self.training["end"], TRAIN, self.train_gen)
+
+    def bucket_call_s(self, longest: int) -> tuple[float, float]:
+        """(train step s, its serial part) of a batch whose longest sequence needs
+        `longest` next-token positions, by ClusterSpec.train_bucket_s; the call's measured
+        time less the publish stall, which the step pays after it."""
+        buckets = self.cfg.cluster.train_bucket_s
+        length, steady, first = next((b for b in buckets if b[0] >= longest), buckets[-1])
+        first_use = length not in self.trained_buckets
+        self.trained_buckets.add(length)
+        call = first if first_use else steady
+        return max(call - self.lay.publish_s, 0.0), call - steady
 
     def train_done(self) -> bool:
         book, p = self.book, self.training

@@ -68,6 +68,14 @@ class ClusterSpec:
     train_mfu: float = 0.35
     train_step_s: float = 0.0
     """> 0: every train step takes this long (a measured figure) instead of the FLOPs model."""
+    train_bucket_s: tuple[tuple[int, float, float], ...] = ()
+    """(length bucket, steady s, first s), shortest bucket first: measured train calls
+    (publish included) by the padded length a step compiles for, instead of train_step_s
+    or the FLOPs model. A step takes the smallest bucket holding its longest sequence
+    (prompt + response − 1 next-token positions, fnrl.trainer.batching.choose_length;
+    the longest bucket if none does), and `first` the first time the run trains that
+    bucket (the trainer loads its compiled step), else `steady`. With shared_cores, a
+    first step's extra over `steady` is one thread's work."""
     stream_minibatches: int = 1
     """> 1: stream generation (Laminar Fig. 3c): the trainer trains each step's batch as
     this many mini-batches, of its groups in the order they finished, each as soon as its
@@ -93,6 +101,12 @@ class ClusterSpec:
     thread, the trainer in a step `trainer_threads`, and when there are more threads
     than cores each gets cores / threads of one (a decode step is costed on a core of
     its own, train_step_s as the step runs alone). 0: each role has its own devices."""
+    corun: str = ""
+    """With shared_cores: a co-run table (benchmarks/corun.py's JSON, fnrl.sim.costs.
+    load_corun) in place of the thread-by-thread share: the train step's steady work is
+    slowed by the factor measured beside that many generating rollouts, and a rollout's
+    decode by the one measured with that many generating, the trainer stepping or not
+    (over one rollout alone). A first step's extra stays one thread's share."""
     trainer_threads: int = 1
     """With shared_cores: the threads the trainer's step runs on (fnrl's trainer takes
     every allowed CPU by default, `trainer.cpu_threads = 0`: 2 on this machine); the
@@ -110,6 +124,13 @@ class ClusterSpec:
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
                      "shared_cores", "allreduce_inter_s"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
+        buckets = self.train_bucket_s
+        check(all(len(b) == 3 and b[0] > 0 and 0 < b[1] <= b[2] for b in buckets)
+              and [b[0] for b in buckets] == sorted({b[0] for b in buckets}), "ClusterSpec",
+              "train_bucket_s", buckets, "must be (length > 0, steady > 0, first >= steady) "
+              "triples, lengths increasing")
+        check(not self.corun or self.shared_cores > 0, "ClusterSpec", "corun", self.corun,
+              "needs shared_cores > 0 (a co-run table describes one shared host)")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")
         check(0 <= self.memory_fraction <= 1, "ClusterSpec", "memory_fraction",

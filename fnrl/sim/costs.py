@@ -168,6 +168,45 @@ def load_profiled(path: str | Path) -> DecodeCosts:
                        per_request_s=float(data.get("per_request_s", 0.0)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Corun:
+    """How much the roles of one shared CPU host slow each other, measured together
+    (benchmarks/corun.py): `trainer[k]`, the trainer's steady step beside k generating
+    servers over its time alone; `server[(k, trainer)]`, a server's decode with k servers
+    generating (itself included), the trainer stepping or not, over one server alone."""
+
+    trainer: dict
+    server: dict
+
+    def trainer_factor(self, servers: int) -> float:
+        return self.trainer[min(servers, max(self.trainer))] if servers else 1.0
+
+    def server_factor(self, servers: int, trainer: bool) -> float:
+        k = min(max(servers, 1), max(k for k, _ in self.server))
+        return self.server[(k, trainer)]
+
+
+def load_corun(path: str | Path) -> Corun:
+    """The JSON `benchmarks/corun.py --out PATH` writes."""
+    data = json.loads(Path(path).read_text())
+    try:
+        trainer = {int(k): float(v["slowdown"]) for k, v in data["trainer_slowdown"].items()}
+        server = {(1, False): 1.0}
+        for key, v in data["server_slowdown"].items():
+            k, _, with_trainer = key.partition("+")
+            server[(int(k), bool(with_trainer))] = float(v["slowdown"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"co-run file {str(path)!r}: not benchmarks/corun.py's table "
+                         f"({err!r})") from None
+    counts = sorted({k for k, _ in server})
+    missing = [key for key in ((k, t) for k in counts for t in (False, True)) if key not in server]
+    if not trainer or missing or sorted(trainer) != counts:
+        raise ValueError(f"co-run file {str(path)!r}: needs the trainer beside 1..N servers and "
+                         f"each server count with and without it; has trainer {sorted(trainer)}, "
+                         f"servers {sorted(server)}")
+    return Corun(trainer=trainer, server=server)
+
+
 # --- decode -------------------------------------------------------------------------------
 
 

@@ -54,6 +54,16 @@ def test_one_core_shared_by_trainer_and_rollout_by_hand():
     assert Simulation(shared(cfg, 2), table=TOY).run()["train_wall_s"] == pytest.approx(11.3)
 
 
+def one_step_on_one_core(**cluster):
+    """one_step's 3 toy steps with every role on one core and `cluster` changed: the
+    simulation after its run, and its summary."""
+    cfg = dataclasses.replace(toy_cfg("one_step"), steps=3)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, shared_cores=1,
+                                                               **cluster))
+    sim = Simulation(cfg, table=TOY)
+    return sim, sim.run()
+
+
 def test_a_two_thread_trainer_on_one_core_by_hand():
     """The same schedule with the trainer on 2 threads (cluster.trainer_threads): alone it
     steps at its own speed; beside the busy rollout 3 threads share the core, so the
@@ -62,16 +72,74 @@ def test_a_two_thread_trainer_on_one_core_by_hand():
     t=6.3  the step's 0.7 s left takes 1.05 s (ends 7.35); prefill 8 × 0.1 × 3 = 2.4 s (8.7)
     t=7.35 the trainer is done: the rollout alone, 3 steps of 1 s from 8.7: 11.7
     t=11.7 Consume v2 and a pull (to 12.2); then 0.7 s left × 1.5 → 13.25."""
-    cfg = dataclasses.replace(toy_cfg("one_step"), steps=3)
-    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, shared_cores=1,
-                                                               trainer_threads=2))
-    sim = Simulation(cfg, table=TOY)
-    summary = sim.run()
+    sim, summary = one_step_on_one_core(trainer_threads=2)
     assert events(sim) == [("train", 4.6, 5.8), ("pull", 5.8, 6.3), ("train", 5.8, 7.35),
                            ("pull", 11.7, 12.2), ("train", 11.7, 13.25)]
     assert summary["train_wall_s"] == pytest.approx(13.25)
     with pytest.raises(ValueError, match="trainer_threads"):
-        dataclasses.replace(cfg.cluster, trainer_threads=0)
+        dataclasses.replace(sim.cfg.cluster, trainer_threads=0)
+
+
+def corun_file(tmp_path, trainer: float, server: float) -> str:
+    """A co-run table as benchmarks/corun.py writes it, for one server."""
+    path = tmp_path / "corun.json"
+    path.write_text(json.dumps({"trainer_slowdown": {"1": {"slowdown": trainer}},
+                                "server_slowdown": {"1": {"slowdown": 1.0},
+                                                    "1+trainer": {"slowdown": server}}}))
+    return str(path)
+
+
+def test_a_measured_corun_table_on_one_core_by_hand(tmp_path):
+    """The same schedule with a co-run table (ClusterSpec.corun) in place of the share:
+    the trainer's step beside the generating rollout takes 3× its time, the rollout's
+    decode keeps its speed.
+
+    t=6.3  the step's 0.7 s left takes 2.1 s (ends 8.4); prefill 0.8 s, 3 steps of 1 s: 10.1
+    t=10.1 Consume v2 and a pull (to 10.6); then groups 6, 7 queue: 0.7 s left × 3 → 12.7."""
+    sim, summary = one_step_on_one_core(corun=corun_file(tmp_path, 3.0, 1.0))
+    assert events(sim) == [("train", 4.6, 5.8), ("pull", 5.8, 6.3), ("train", 5.8, 8.4),
+                           ("pull", 10.1, 10.6), ("train", 10.1, 12.7)]
+    assert summary["train_wall_s"] == pytest.approx(12.7)
+    with pytest.raises(ValueError, match="needs shared_cores"):
+        dataclasses.replace(sim.cfg.cluster, shared_cores=0)
+
+
+def test_corun_tables_that_do_not_fit_are_named(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"trainer_slowdown": {"2": {"slowdown": 2.0}},
+                                "server_slowdown": {"1+trainer": {"slowdown": 1.0}}}))
+    with pytest.raises(ValueError, match="needs the trainer beside 1..N servers"):
+        costs.load_corun(path)
+    path.write_text(json.dumps({"trainer": 2.0}))
+    with pytest.raises(ValueError, match="not benchmarks/corun.py's table"):
+        costs.load_corun(path)
+    table = costs.load_corun(corun_file(tmp_path, 3.0, 1.2))
+    assert (table.trainer_factor(0), table.trainer_factor(1), table.trainer_factor(4)) == (
+        1.0, 3.0, 3.0)     # more servers than measured: the most measured
+    assert (table.server_factor(1, False), table.server_factor(2, True)) == (1.0, 1.2)
+
+
+def test_train_calls_by_length_bucket():
+    """ClusterSpec.train_bucket_s: the smallest bucket holding the batch's longest
+    sequence; its first use costs `first`, later ones `steady`; the publish stall is paid
+    after the step, so the step itself is the call less it."""
+    cfg = toy_cfg()
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, train_bucket_s=((64, 0.5, 1.5), (128, 0.9, 2.0)), publish_s=0.25))
+    sim = Simulation(cfg, table=TOY)
+    assert sim.bucket_call_s(64) == pytest.approx((1.25, 1.0))     # first use of 64
+    assert sim.bucket_call_s(10) == pytest.approx((0.25, 0.0))     # 64 again: steady
+    assert sim.bucket_call_s(65) == pytest.approx((1.75, 1.1))     # 128, first
+    assert sim.bucket_call_s(999) == pytest.approx((0.65, 0.0))    # past the last: 128
+    for bad in (((64, 0.5, 0.4),), ((128, 1.0, 1.0), (64, 0.5, 0.5)), ((64, 0.5),)):
+        with pytest.raises(ValueError, match="train_bucket_s"):
+            dataclasses.replace(cfg.cluster, train_bucket_s=bad)
+    # Each step of a run costs by its own batch (every toy batch fits the one bucket).
+    cfg = dataclasses.replace(cfg, steps=3, cluster=dataclasses.replace(
+        cfg.cluster, train_bucket_s=((10**6, 1.0, 1.5),), publish_s=0.0))
+    sim = Simulation(cfg, table=TOY)
+    sim.run()
+    assert [r["train_step_s"] for r in sim.step_records] == pytest.approx([1.5, 1.0, 1.0])
 
 
 def test_the_measured_record_holds_every_cell():
@@ -148,8 +216,9 @@ def test_replay_data_reads_a_run_directory(tmp_path):
     step = {"kind": "train", "time/train_s": 0.4, "time/publish_s": 0.01, "pulls": 4}
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"kind": "eval", "step": 0},
-        {**step, "step": 1, "time/train_call_s": 0.5, "time/pull_s": 0.1},
-        {**step, "step": 2, "time/train_call_s": 1.25, "time/pull_s": 0.2})) + "\n")
+        {**step, "step": 1, "time/train_call_s": 0.5, "time/pull_s": 0.1, "batch_length": 64},
+        {**step, "step": 2, "time/train_call_s": 1.25, "time/pull_s": 0.2,
+         "batch_length": 64})) + "\n")
     groups = [{"group": "train-1", "trajectories": [
                   {"prompt_ids": [1, 2, 3], "segments": [[0, 2], [1, 1]]},
                   {"prompt_ids": [1, 2, 3], "segments": [[0, 1]]}]},
@@ -167,6 +236,11 @@ def test_replay_data_reads_a_run_directory(tmp_path):
     assert cell["pull_s"] == pytest.approx(0.05)
     assert cell["groups"] == {"0": [3, 0], "1": [3, 1]}
     assert cell["prompt_len"] == {"0": 1, "1": 3}
+    assert cell["batch_length"] == [64, 64]
+    # Bucket 64: a first call of 0.5 s, then a steady one of 0.75 s (the first is never
+    # taken as cheaper than the steady).
+    (bucket,) = replay_data.bucket_calls(data, "sync")
+    assert bucket == pytest.approx((64, 0.75, 0.75))
     (run / "metrics.jsonl").write_text(json.dumps({**step, "step": 1}) + "\n")
     with pytest.raises(ValueError, match="1 train records for 2 steps"):
         replay_data.extract(tmp_path, log=said.append)
@@ -177,7 +251,8 @@ def test_replay_quick_runs(tmp_path):
     rows = {r["claim"]: r for r in res.rows()}
     assert set(rows) == {"fnrl × sync", "fnrl × sync, own cores", "sync, absolute",
                          "fnrl, absolute", "fnrl × sync, profiled decode",
-                         "fnrl × sync, one thread a role",
+                         "fnrl × sync, co-run table", "fnrl × sync, calls by bucket",
+                         "fnrl × sync, co-run table, calls by bucket",
                          "sync, absolute, profiled decode", "fnrl, absolute, profiled decode",
                          "fnrl × sync (trainer threads run)",
                          "sync@1thread × sync (trainer threads run)",
@@ -195,7 +270,12 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 11
+    assert len(out["rows"]) == 13
+    # The co-run rows run on the committed table, and decode sync's derived step over
+    # its factor for two servers side by side.
+    table = costs.load_corun(replay.CORUN)
+    assert s["sync_corun"]["cost_model"]["k4"] == pytest.approx(
+        replay.decode_step_s() / table.server_factor(2, False))
     # The trainer-threads run: a one-thread trainer steps alone in sync@1thread's
     # measured call, on one thread; the two-thread runs in sync's.
     one, two = s["threads:fnrl@1thread"], s["threads:fnrl"]

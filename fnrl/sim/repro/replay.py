@@ -14,8 +14,10 @@ real runs comes from there:
   run generated but never trained (its lengths unrecorded) is one of the round's groups.
 - The train call: sync's, whose trainer steps alone on the host (its servers wait for
   it): the mean call a step, the median over rounds; the publish inside it is the
-  measured `time/publish_s`. The overlapping presets' calls are not inputs: they come
-  out of the host's sharing of its cores.
+  measured `time/publish_s`. The `calls by bucket` rows take sync's calls by length
+  bucket instead (`replay_data.bucket_calls`: the steady call, and the first in a
+  process, which loads the bucket's compiled step). The overlapping presets' calls are
+  not inputs: they come out of the host's sharing of its cores.
 - Pull: sync's pull time over its pulls, the median over rounds.
 - Decode, two ways. Derived: sync's generation time a step (RL wall / steps − the train
   call), less a pull and one tick, over the mean longest response of sync's own batches,
@@ -26,9 +28,10 @@ real runs comes from there:
 - Cores: the trainer and both servers share the machine's 2 cores thread by thread
   (`cluster.shared_cores`, `cluster.trainer_threads`): the servers run one OpenMP
   thread each (fnrl.serving.server), the trainer one per allowed CPU
-  (`trainer.cpu_threads = 0`, the default: 2 here). The `own cores` rows give every role
-  its own device; the `one thread a role` rows count the trainer as one thread, the
-  replay's model before 2026-11-27.
+  (`trainer.cpu_threads = 0`, the default: 2 here). The `co-run table` rows share them
+  as benchmarks/corun.py measured the roles sharing them (`cluster.corun`, CORUN): the
+  trainer's steady step beside one or two generating servers, a server's decode beside
+  the other and the trainer. The `own cores` rows give every role its own device.
 
 A second record, THREADS_MEASURED (benchmarks/ablations/trainer_threads.yaml: sync and
 fnrl with the trainer on every core and on one), is replayed the same way from its own
@@ -44,6 +47,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from fnrl.sim import costs
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.repro import Claim, Setup, register, replay_data
 from fnrl.sim.workload import WorkloadSpec
@@ -61,6 +65,9 @@ TOLERANCE = 0.15            # issue 13: the replay within ±15% of the measured 
 # server, one OpenMP thread, as the benchmark's servers run):
 #   python -m fnrl.experiments.profile_cost --out fnrl/sim/decode_embedded_cpu.json
 PROFILE = Path(__file__).resolve().parents[1] / "decode_embedded_cpu.json"
+# How the trainer (on every CPU) and the servers slow each other on this machine,
+# measured together: python benchmarks/corun.py --out fnrl/sim/corun_cpu.json
+CORUN = Path(__file__).resolve().parents[1] / "corun_cpu.json"
 
 
 RECORDS = {"presets": replay_data.PRESETS_MEASURED,   # benchmarks/presets.py
@@ -119,19 +126,29 @@ def decode_step_s(which: str = "presets") -> float:
     return (generate_s - pull_s(which) - TICK_S) / sync_longest(which)
 
 
-def cost_file(which: str = "presets") -> str:
+def cost_file(which: str = "presets", corun: Path | None = None) -> str:
     """The derived decode model in the JSON form `profile_cost` writes (the simulator's
-    `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence."""
-    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(which), "k5": 1.0,
+    `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence. With
+    a co-run table, sync's two servers decoded side by side: the step of one server
+    alone is the derived one over the table's factor for two."""
+    step = decode_step_s(which)
+    if corun is not None:
+        step /= costs.load_corun(corun).server_factor(SERVERS, False)
+    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": step, "k5": 1.0,
             "prefill_s_per_token": 0.0, "per_request_s": 0.0,
             "source": "fnrl/sim/repro/replay.py: derived from sync in "
                       + measured(which)["source"]}
-    path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"decode_{which}.json"
+    name = f"decode_{which}" + (f"_{corun.stem}" if corun is not None else "")
+    path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1)
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     return str(path)
+
+
+def corun_table() -> costs.Corun:
+    return costs.load_corun(CORUN)
 
 
 def profile_line() -> str:
@@ -156,15 +173,23 @@ def measured_ratio(preset: str, which: str = "presets") -> float:
     return round(statistics.median(replay_data.ratios_to(measured(which), preset)), 2)
 
 
-def host(which: str, sync: str, threads: int) -> ClusterSpec:
-    """This machine as the record `which` measured it: the derived decode, the train call
-    of `sync` (its trainer alone), sync's publish and pull, 2 cores shared thread by
-    thread with a trainer of `threads` threads."""
-    return ClusterSpec(decode=cost_file(which), train_gpus=1, rollout_tp=1,
-                       kv_capacity_tokens=KV_TOKENS, max_num_seqs=256,
-                       train_step_s=train_call_s(which, sync) - publish_s(which),
+def host(which: str, sync: str, threads: int, *, corun: bool = False,
+         buckets: bool = False) -> ClusterSpec:
+    """This machine as the record `which` measured it, its trainer on `threads` threads:
+    the derived decode, sync's publish and pull, 2 shared cores; `sync`'s mean train call
+    for every step (its trainer alone), or with `buckets` its calls by length bucket;
+    the cores shared thread by thread, or with `corun` as benchmarks/corun.py measured
+    them shared (CORUN)."""
+    if corun and threads != TRAINER_THREADS:
+        raise ValueError(f"the co-run table was measured with the trainer on {TRAINER_THREADS} "
+                         f"threads, not {threads}")
+    table = CORUN if corun else None
+    calls = (dict(train_bucket_s=replay_data.bucket_calls(measured(which), sync)) if buckets
+             else dict(train_step_s=train_call_s(which, sync) - publish_s(which)))
+    return ClusterSpec(decode=cost_file(which, table), train_gpus=1, rollout_tp=1,
+                       kv_capacity_tokens=KV_TOKENS, max_num_seqs=256, **calls,
                        publish_s=publish_s(which), pull_s=pull_s(which), shared_cores=CORES,
-                       trainer_threads=threads)
+                       trainer_threads=threads, corun=str(table) if table else "")
 
 
 def sim_config(preset: str, cluster: ClusterSpec, workload: WorkloadSpec, steps: int) -> SimConfig:
@@ -194,11 +219,13 @@ def threads_runs(steps: int) -> tuple[dict, tuple]:
     return runs, claims
 
 
-VARIANTS = {   # suffix -> (what it changes, claim label)
-    "": ({}, ""),
-    "_profiled": ({"decode": str(PROFILE)}, ", profiled decode"),
-    "_one_thread": ({"trainer_threads": 1}, ", one thread a role"),
-    "_own_cores": ({"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
+VARIANTS = {   # suffix -> (`host`'s options, what else it changes, claim label)
+    "": ({}, {}, ""),
+    "_profiled": ({}, {"decode": str(PROFILE)}, ", profiled decode"),
+    "_corun": ({"corun": True}, {}, ", co-run table"),
+    "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket"),
+    "_buckets": ({"buckets": True}, {}, ", calls by bucket"),
+    "_own_cores": ({}, {"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
 }
 
 
@@ -206,10 +233,10 @@ VARIANTS = {   # suffix -> (what it changes, claim label)
 def setup(quick: bool = False) -> Setup:
     steps = 3 if quick else STEPS
     presets = ("sync", "fnrl") if quick else PRESETS
-    base = host("presets", "sync", TRAINER_THREADS)
     runs, claims, metric = {}, (), "trained_tokens_per_s"
-    for suffix, (change, label) in VARIANTS.items():
-        cluster = dataclasses.replace(base, **change)
+    for suffix, (options, change, label) in VARIANTS.items():
+        cluster = dataclasses.replace(host("presets", "sync", TRAINER_THREADS, **options),
+                                      **change)
         runs.update({f"{p}{suffix}": sim_config(p, cluster, workload(p), steps) for p in presets})
         claims += tuple(Claim(name=f"{p} × sync{label}", system=f"{p}{suffix}",
                               baseline=f"sync{suffix}", paper=measured_ratio(p), metric=metric,
@@ -217,7 +244,7 @@ def setup(quick: bool = False) -> Setup:
     runs.update({f"measured_{p}": measured_run(p) for p in presets})
     claims += tuple(Claim(name=f"{p}, absolute{label}", system=f"{p}{suffix}",
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
-                    for suffix, (_, label) in VARIANTS.items() if suffix in ("", "_profiled")
+                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled")
                     for p in presets)
     more_runs, more_claims = threads_runs(steps)
     runs.update(more_runs)
@@ -237,7 +264,10 @@ def setup(quick: bool = False) -> Setup:
             "generated and not trained is one of the round's groups",
             f"train call {train_call_s():.2f} s a step (publish {publish_s() * 1e3:.1f} ms "
             "of it): sync's measured mean, its trainer alone on the host; the same under "
-            "every preset, before sharing",
+            "every preset, before sharing. The `calls by bucket` rows: sync's calls by "
+            "length bucket, steady / first in a process: " + ", ".join(
+                f"{b} positions {st:.2f} / {fi:.2f} s" for b, st, fi in
+                replay_data.bucket_calls(measured(), "sync")),
             f"decode: a flat {decode_step_s() * 1e3:.2f} ms a step, whatever the batch "
             "(k1 = k3 = 0), from sync's generation time per step over its mean longest "
             f"response ({sync_longest():.0f} tokens); calibrates sync's absolute figure",
@@ -245,9 +275,17 @@ def setup(quick: bool = False) -> Setup:
             "(the measured median); prefill and per-request costs 0; KV never binding",
             f"{CORES} shared cores, thread by thread (cluster.shared_cores, trainer_threads "
             f"{TRAINER_THREADS}): the trainer steps on {TRAINER_THREADS} threads, each server "
-            "on one; with more threads than cores each thread gets cores / threads of one. "
-            "Not counted: the loop's own CPU (it streams every token), the vLLM API "
-            "servers' and the dedicated evaluation server's, and a parallel op's wait for "
-            "its descheduled threads (fnrl.trainer.xla_flags)",
+            "on one; with more threads than cores each thread gets cores / threads of one; "
+            "a first call's load is one thread. Not counted: the loop's own CPU (it streams "
+            "every token), the vLLM API servers' and the dedicated evaluation server's",
+            f"the `co-run table` rows: the cores shared as measured together "
+            f"(benchmarks/corun.py, {CORUN.name}): the trainer's steady step "
+            + " / ".join(f"{corun_table().trainer_factor(k):.2f}×" for k in (1, 2))
+            + " its time alone beside 1 / 2 generating servers; a server's decode "
+            + " / ".join(f"{corun_table().server_factor(k, t):.2f}×" for k, t in
+                         ((2, False), (1, True), (2, True)))
+            + " one alone's beside the other / the trainer / both; the derived decode step "
+            f"over {corun_table().server_factor(SERVERS, False):.2f} (sync's two servers "
+            "decoded side by side)",
             "the `profiled decode` rows: " + profile_line()),
         notes=("sync's absolute row checks the derivation (it is calibrated on sync)",))

@@ -11,7 +11,8 @@ what it is compared with, all read from the run's own logs:
 - `trained_tokens_per_s`, `rl_wall_s`, idle shares: summary.json (the loop's figures);
 - `train_call_s`: each train step's call, trainer round trip included (metrics.jsonl,
   the step-to-step difference of `time/train_call_s`), and `train_s`, the trainer's own
-  step inside it; `publish_s` per step;
+  step inside it; `publish_s` per step; `batch_length`, each step's length bucket (the
+  padded row length its jitted step was compiled for);
 - `pull_s`: the run's pull time over its pulls;
 - `groups`: each consumed group's response lengths in tokens, by group index (the
   problem's `train-N`), and `prompt_len` per group (trajectories.jsonl).
@@ -61,6 +62,7 @@ def cell_record(run_dir: Path) -> dict:
         "train_call_s": [b - a for a, b in zip([0.0] + calls[:-1], calls)],
         "train_s": [r["time/train_s"] for r in steps],
         "publish_s": [r["time/publish_s"] for r in steps],
+        "batch_length": [int(r["batch_length"]) for r in steps],
         "pull_s": last["time/pull_s"] / max(last["pulls"], 1),
         "groups": {str(k): groups[k] for k in sorted(groups)},
         "prompt_len": {str(k): prompts[k] for k in sorted(prompts)},
@@ -106,6 +108,32 @@ def median_of(data: dict, preset: str, key: str) -> float:
             v = cell[key]
             values.append(statistics.fmean(v) if isinstance(v, list) else v)
     return statistics.median(values)
+
+
+def bucket_calls(data: dict, preset: str) -> tuple[tuple[int, float, float], ...]:
+    """(length bucket, steady call, first call) for each bucket `preset` trained: the mean
+    over its rounds of the call of a step whose bucket the process had trained before
+    (steady), and of one it had not (first: the step's executable is loaded from the
+    compilation cache, and its first run allocates), the first at least the steady. A
+    bucket only ever trained first takes the nearest shorter bucket's steady call, scaled
+    by length."""
+    steady, first = {}, {}
+    for cell in data["cells"].values():
+        if cell["preset"] != preset:
+            continue
+        seen = set()
+        for length, call in zip(cell["batch_length"], cell["train_call_s"]):
+            (first if length not in seen else steady).setdefault(length, []).append(call)
+            seen.add(length)
+    out = []
+    for length in sorted(first):
+        if length in steady:
+            s = statistics.fmean(steady[length])
+        else:
+            shorter = max((b for b in steady if b < length), default=min(steady))
+            s = statistics.fmean(steady[shorter]) * length / shorter
+        out.append((length, s, max(s, statistics.fmean(first[length]))))
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
