@@ -143,12 +143,11 @@ def check_reduce_scatter(args: CheckArgs, out: Path, rank: int) -> None:
         global_in = jax.make_array_from_callback(
             (n * len(devices),), sharding,
             lambda index: scatter_input(mib, index[0].start // n, len(devices)))
-        if platform == "cpu":
-            hlo = scatter.lower(global_in).compile().as_text()
-            if NATIVE_REDUCE_SCATTER in hlo:
-                raise RuntimeError("XLA compiled the CPU scatter_sum to a native "
-                                   "reduce-scatter, which jax-ml/jax#40830 makes unsafe")
-        result = scatter(global_in)
+        compiled = scatter.lower(global_in).compile()    # once: checked, then run
+        if platform == "cpu" and NATIVE_REDUCE_SCATTER in compiled.as_text():
+            raise RuntimeError("XLA compiled the CPU scatter_sum to a native "
+                               "reduce-scatter, which jax-ml/jax#40830 makes unsafe")
+        result = compiled(global_in)
         for shard in result.addressable_shards:
             written[f"{mib}/{shard.index[0].start // (n // len(devices))}"] = np.asarray(
                 shard.data)
