@@ -55,6 +55,7 @@ from fnrl.shell.files import write_atomic  # noqa: E402
 
 PHASES = ("train", "train+1", "train+2", "gen1", "gen2")
 ROWS = 32     # benchmarks/ablations/presets.yaml: 4 groups x 8 samples a step
+PROMPT_LEN = 5      # the task's median prompt (fnrl/sim/repro/presets_measured.json)
 
 
 # ---------------------------------------------------------------- the trainer's process
@@ -73,17 +74,23 @@ def trainer_child(model_dir: str, run_dir: str, buckets: list[int], cpu_threads:
     import jax
 
     from fnrl.trainer.controls import pack_controls
+    from fnrl.trainer.step import pack_sequences, scatter_response
 
     trainer = Trainer(cfg, Path(model_dir), Path(run_dir))
     controls = pack_controls(lr_scale=1.0, upper={"grad_norm": np.inf}, lower={})
 
     def batch(length: int) -> dict:
+        """ROWS sequences filling `length` positions (fnrl.trainer.step.pack_sequences)."""
         rng = np.random.default_rng(length)
-        tokens = rng.integers(3, 64, (ROWS, length), dtype=np.int32)
-        return {"input_BxT": tokens, "target_BxT": np.roll(tokens, -1, axis=1),
-                "mask_BxT": np.ones((ROWS, length), np.float32),
-                "behaviour_logp_BxT": np.full((ROWS, length), -1.0, np.float32),
-                "adv_B": rng.standard_normal(ROWS).astype(np.float32), **controls}
+        prompt = PROMPT_LEN
+        prompts = [tuple(rng.integers(3, 64, prompt).tolist()) for _ in range(ROWS)]
+        responses = [tuple(rng.integers(3, 64, length + 1 - prompt).tolist())
+                     for _ in range(ROWS)]
+        out = pack_sequences(prompts, responses, length, pad_id=0)
+        out["behaviour_logp_BxT"] = scatter_response(
+            [(-1.0,) * len(r) for r in responses], [prompt] * ROWS, length)
+        out["adv_B"] = rng.standard_normal(ROWS).astype(np.float32)
+        return {**out, **controls}
 
     batches = {b: batch(b) for b in buckets}
 
@@ -237,19 +244,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def run(args) -> int:
-    from fnrl.experiments.math_grpo import context_len
+    import dataclasses
+
+    from fnrl.experiments.math_grpo import server_specs
     from fnrl.experiments.warm_start import ensure_default_model
-    from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
-    from fnrl.shell.net import free_port
+    from fnrl.serving.server import launch_server, stop_server, wait_ready
 
     cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_servers=2))
     model_dir = ensure_default_model(cfg.model, cfg.task, cfg.warm_start)
     logs = Path(tempfile.mkdtemp(prefix="fnrl-corun-"))
     print(environment(), flush=True)
-    specs = [ServerSpec(model_dir=str(model_dir), port=free_port(),
-                        max_model_len=context_len(cfg, model_dir),
-                        max_num_seqs=cfg.rollout.max_num_seqs, seed=rid)
-             for rid in range(2)]
+    specs = server_specs(cfg, model_dir)     # as the main job starts them
     servers, trainer, finished = [], None, False
     try:
         servers = [launch_server(s, logs / f"server{rid}.log") for rid, s in enumerate(specs)]

@@ -251,6 +251,18 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
+def server_specs(cfg: RunConfig, model_dir: Path) -> list[ServerSpec]:
+    """The job's generation servers, one per `rollout.num_servers`, each on a free port."""
+    max_len = context_len(cfg, model_dir)
+    return [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
+                       max_num_seqs=cfg.rollout.max_num_seqs,
+                       kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
+                       dtype=cfg.rollout.dtype, host=cfg.cluster.bind_host,
+                       tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                       require_api_key=cfg.cluster.require_api_key)
+            for rid in range(cfg.rollout.num_servers)]
+
+
 def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> dict:
     """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
     launcher = make_launcher(cfg)
@@ -262,14 +274,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
                                      num_relays=launcher.relay_count(cfg.relay.num_relays))
         launcher.check_memory(memory_plan(dataclasses.replace(cfg, relay=relays), model_dir,
                                           read_host_memory().node_total_bytes))
-        max_len = context_len(cfg, model_dir)
-        specs = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
-                            max_num_seqs=cfg.rollout.max_num_seqs,
-                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
-                            dtype=cfg.rollout.dtype, host=cfg.cluster.bind_host,
-                            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                            require_api_key=cfg.cluster.require_api_key)
-                 for rid in range(cfg.rollout.num_servers)]
+        specs = server_specs(cfg, model_dir)
         for rid, spec in enumerate(specs):
             cluster.start_server(rid, spec)
         if cfg.eval.server == "dedicated":   # never routed training work (eval_lane)

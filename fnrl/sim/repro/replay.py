@@ -126,19 +126,19 @@ def decode_step_s(which: str = "presets") -> float:
     return (generate_s - pull_s(which) - TICK_S) / sync_longest(which)
 
 
-def cost_file(which: str = "presets", corun: Path | None = None) -> str:
+def cost_file(which: str = "presets", corun: bool = False) -> str:
     """The derived decode model in the JSON form `profile_cost` writes (the simulator's
     `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence. With
     a co-run table, sync's two servers decoded side by side: the step of one server
     alone is the derived one over the table's factor for two."""
     step = decode_step_s(which)
-    if corun is not None:
-        step /= costs.load_corun(corun).server_factor(SERVERS, False)
+    if corun:
+        step /= corun_table().server_factor(SERVERS, False)
     data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": step, "k5": 1.0,
             "prefill_s_per_token": 0.0, "per_request_s": 0.0,
             "source": "fnrl/sim/repro/replay.py: derived from sync in "
                       + measured(which)["source"]}
-    name = f"decode_{which}" + (f"_{corun.stem}" if corun is not None else "")
+    name = f"decode_{which}" + (f"_{CORUN.stem}" if corun else "")
     path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1)
@@ -147,6 +147,7 @@ def cost_file(which: str = "presets", corun: Path | None = None) -> str:
     return str(path)
 
 
+@functools.cache
 def corun_table() -> costs.Corun:
     return costs.load_corun(CORUN)
 
@@ -183,13 +184,12 @@ def host(which: str, sync: str, threads: int, *, corun: bool = False,
     if corun and threads != TRAINER_THREADS:
         raise ValueError(f"the co-run table was measured with the trainer on {TRAINER_THREADS} "
                          f"threads, not {threads}")
-    table = CORUN if corun else None
     calls = (dict(train_bucket_s=replay_data.bucket_calls(measured(which), sync)) if buckets
              else dict(train_step_s=train_call_s(which, sync) - publish_s(which)))
-    return ClusterSpec(decode=cost_file(which, table), train_gpus=1, rollout_tp=1,
+    return ClusterSpec(decode=cost_file(which, corun), train_gpus=1, rollout_tp=1,
                        kv_capacity_tokens=KV_TOKENS, max_num_seqs=256, **calls,
                        publish_s=publish_s(which), pull_s=pull_s(which), shared_cores=CORES,
-                       trainer_threads=threads, corun=str(table) if table else "")
+                       trainer_threads=threads, corun=str(CORUN) if corun else "")
 
 
 def sim_config(preset: str, cluster: ClusterSpec, workload: WorkloadSpec, steps: int) -> SimConfig:
