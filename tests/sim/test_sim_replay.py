@@ -254,6 +254,9 @@ def test_replay_quick_runs(tmp_path):
                          "fnrl × sync, co-run table", "fnrl × sync, calls by bucket",
                          "fnrl × sync, co-run table, calls by bucket",
                          "sync, absolute, profiled decode", "fnrl, absolute, profiled decode",
+                         "fnrl × sync, profiled decode, co-run table",
+                         "sync, absolute, profiled decode, co-run table",
+                         "fnrl, absolute, profiled decode, co-run table",
                          "fnrl × sync (trainer threads run)",
                          "sync@1thread × sync (trainer threads run)",
                          "fnrl@1thread × sync (trainer threads run)"}
@@ -270,12 +273,15 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 13
+    assert len(out["rows"]) == 16
     # The co-run rows run on the committed table, and decode sync's derived step over
     # its factor for two servers side by side.
     table = costs.load_corun(replay.CORUN)
     assert s["sync_corun"]["cost_model"]["k4"] == pytest.approx(
         replay.decode_step_s() / table.server_factor(2, False))
+    # Profiled and co-run: the profile (one server alone) slowed by the table's factors.
+    assert s["sync_profiled_corun"]["cost_model"]["k4"] == pytest.approx(profile.k4)
+    assert s["sync_profiled_corun"]["trained_tokens_per_s"] < s["sync_profiled"]["trained_tokens_per_s"]
     # The trainer-threads run: a one-thread trainer steps alone in sync@1thread's
     # measured call, on one thread; the two-thread runs in sync's.
     one, two = s["threads:fnrl@1thread"], s["threads:fnrl"]

