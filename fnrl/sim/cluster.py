@@ -158,8 +158,9 @@ class Simulation:
         c = self.cfg.cluster
         servers = sum((i.n > 0 or bool(i.queue)) and not i.pulling for i in self.inst)
         busy = self.book.trainer_busy
-        threads = c.trainer_threads * int(busy) + servers
-        serial = max(1.0, (int(busy) + servers) / c.shared_cores)   # one trainer thread
+        load = c.host_load if servers else 0.0           # roles not simulated, beside them
+        threads = c.trainer_threads * int(busy) + servers + load
+        serial = max(1.0, (int(busy) + servers + load) / c.shared_cores)   # one trainer thread
         if self.corun is None:
             f_inst = max(1.0, threads / c.shared_cores)    # 1 / each thread's share of a core
             f_par = min(c.trainer_threads, c.shared_cores) * f_inst / c.trainer_threads

@@ -107,6 +107,11 @@ class ClusterSpec:
     slowed by the factor measured beside that many generating rollouts, and a rollout's
     decode by the one measured with that many generating, the trainer stepping or not
     (over one rollout alone). A first step's extra stays one thread's share."""
+    host_load: float = 0.0
+    """With shared_cores (thread by thread, no co-run table): the cores that processes
+    the simulator does not run take while any rollout generates, counted as that many
+    more threads (this machine's loop streams every token, and its evaluation server
+    shares the host: benchmarks/role_cpu.py measures both)."""
     trainer_threads: int = 1
     """With shared_cores: the threads the trainer's step runs on (fnrl's trainer takes
     every allowed CPU by default, `trainer.cpu_threads = 0`: 2 on this machine); the
@@ -122,7 +127,7 @@ class ClusterSpec:
                      "stream_minibatches", "trainer_threads"):
             check(getattr(self, name) > 0, "ClusterSpec", name, getattr(self, name), "must be > 0")
         for name in ("train_gpus", "kv_capacity_tokens", "train_step_s", "rollout_dtype_bytes",
-                     "shared_cores", "allreduce_inter_s"):
+                     "shared_cores", "allreduce_inter_s", "host_load"):
             check(getattr(self, name) >= 0, "ClusterSpec", name, getattr(self, name), "must be >= 0")
         buckets = self.train_bucket_s
         check(all(len(b) == 3 and b[0] > 0 and 0 < b[1] <= b[2] for b in buckets)
@@ -131,6 +136,9 @@ class ClusterSpec:
               "triples, lengths increasing")
         check(not self.corun or self.shared_cores > 0, "ClusterSpec", "corun", self.corun,
               "needs shared_cores > 0 (a co-run table describes one shared host)")
+        check(not self.host_load or (self.shared_cores > 0 and not self.corun), "ClusterSpec",
+              "host_load", self.host_load, "needs shared_cores > 0 and no co-run table (the "
+              "table's factors were measured with their own load)")
         check(0 < self.train_mfu <= 1, "ClusterSpec", "train_mfu", self.train_mfu,
               "must be in (0, 1]")
         check(0 <= self.memory_fraction <= 1, "ClusterSpec", "memory_fraction",

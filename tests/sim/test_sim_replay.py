@@ -35,6 +35,34 @@ def test_sync_never_shares_a_core():
     assert events(sim) == [("train", 3.8, 5.0), ("pull", 5.0, 5.5), ("train", 9.3, 10.5)]
 
 
+def test_host_load_slows_only_what_shares_a_core_with_it_by_hand():
+    """cluster.host_load: cores taken by processes the simulator does not run, while a
+    rollout generates. Sync's toy schedule (a batch 3.8 s, a train 1.2 s, a pull 0.5 s):
+    on one core a load of 1 halves the rollout (3.8 → 7.6 s; trains 7.6–8.8, pull to
+    9.3, the next batch to 16.9, train to 18.1) and a load of 0.5 slows it 1.5×
+    (5.7 s: trains at 5.7 and 13.1); the trainer steps alone at its own speed. On two
+    cores the load and the rollout fit: 10.5, as without it."""
+    def run(cores, load):
+        cfg = toy_cfg()
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(
+            cfg.cluster, shared_cores=cores, host_load=load))
+        sim = Simulation(cfg, table=TOY)
+        return sim.run()["train_wall_s"], events(sim)
+
+    assert run(1, 1.0) == (pytest.approx(18.1), [("train", 7.6, 8.8), ("pull", 8.8, 9.3),
+                                                 ("train", 16.9, 18.1)])
+    assert run(1, 0.5) == (pytest.approx(14.3), [("train", 5.7, 6.9), ("pull", 6.9, 7.4),
+                                                 ("train", 13.1, 14.3)])
+    assert run(2, 1.0)[0] == pytest.approx(10.5)
+    cluster = toy_cfg().cluster
+    with pytest.raises(ValueError, match="host_load"):
+        dataclasses.replace(cluster, host_load=0.5)              # no shared host
+    with pytest.raises(ValueError, match="host_load"):
+        dataclasses.replace(cluster, shared_cores=2, corun=str(replay.CORUN), host_load=0.5)
+    with pytest.raises(ValueError, match="host_load"):
+        dataclasses.replace(cluster, shared_cores=2, host_load=-1.0)
+
+
 def test_one_core_shared_by_trainer_and_rollout_by_hand():
     """one_step, 3 steps, everything on one core (own devices: trains end at 5.8, 7.0, 11.3).
 
@@ -257,6 +285,9 @@ def test_replay_quick_runs(tmp_path):
                          "fnrl × sync, profiled decode, co-run table",
                          "sync, absolute, profiled decode, co-run table",
                          "fnrl, absolute, profiled decode, co-run table",
+                         "fnrl × sync, profiled decode, host load",
+                         "sync, absolute, profiled decode, host load",
+                         "fnrl, absolute, profiled decode, host load",
                          "fnrl × sync (trainer threads run)",
                          "sync@1thread × sync (trainer threads run)",
                          "fnrl@1thread × sync (trainer threads run)"}
@@ -273,7 +304,8 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 16
+    assert len(out["rows"]) == 19
+    assert s["sync_profiled_load"]["trained_tokens_per_s"] < s["sync_profiled"]["trained_tokens_per_s"]
     # The co-run rows run on the committed table, and decode sync's derived step over
     # its factor for two servers side by side.
     table = costs.load_corun(replay.CORUN)

@@ -73,6 +73,13 @@ PROFILE = Path(__file__).resolve().parents[1] / "decode_embedded_cpu.json"
 CORUN = Path(__file__).resolve().parents[1] / "corun_cpu.json"
 
 
+# The cores the job's processes that the simulator does not run take while its servers
+# generate: the controller (the loop streams every token) 0.25 and the evaluation server
+# 0.20, sync's column of `python benchmarks/role_cpu.py --presets sync,one_step,laminar`
+# (docs/simulation.md, the replay). Idle, they take 0.12, which sync's measured call holds.
+HOST_LOAD = 0.25 + 0.20
+
+
 RECORDS = {"presets": replay_data.PRESETS_MEASURED,   # benchmarks/presets.py
            "threads": replay_data.THREADS_MEASURED}   # benchmarks/ablations/trainer_threads.yaml
 
@@ -228,6 +235,8 @@ VARIANTS = {   # suffix -> (`host`'s options, what else it changes, claim label)
     "_corun": ({"corun": True}, {}, ", co-run table"),
     "_profiled_corun": ({"corun": True}, {"decode": str(PROFILE)},
                         ", profiled decode, co-run table"),
+    "_profiled_load": ({}, {"decode": str(PROFILE), "host_load": HOST_LOAD},
+                       ", profiled decode, host load"),
     "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket"),
     "_buckets": ({"buckets": True}, {}, ", calls by bucket"),
     "_own_cores": ({}, {"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
@@ -249,7 +258,7 @@ def setup(quick: bool = False) -> Setup:
     runs.update({f"measured_{p}": measured_run(p) for p in presets})
     claims += tuple(Claim(name=f"{p}, absolute{label}", system=f"{p}{suffix}",
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
-                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled", "_profiled_corun")
+                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled", "_profiled_corun", "_profiled_load")
                     for p in presets)
     more_runs, more_claims = threads_runs(steps)
     runs.update(more_runs)
@@ -292,5 +301,8 @@ def setup(quick: bool = False) -> Setup:
             + " one alone's beside the other / the trainer / both; the derived decode step "
             f"over {corun_table().server_factor(SERVERS, False):.2f} (sync's two servers "
             "decoded side by side)",
-            "the `profiled decode` rows: " + profile_line()),
+            "the `profiled decode` rows: " + profile_line(),
+            f"the `host load` rows: {HOST_LOAD:.2f} of a core while any rollout generates "
+            "(cluster.host_load), taken by the loop and the evaluation server, which the "
+            "simulator does not run (benchmarks/role_cpu.py, sync's column)"),
         notes=("sync's absolute row checks the derivation (it is calibrated on sync)",))
