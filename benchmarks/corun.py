@@ -55,7 +55,7 @@ from fnrl.shell.files import write_atomic  # noqa: E402
 
 PHASES = ("train", "train+1", "train+2", "gen1", "gen2")
 ROWS = 32     # benchmarks/ablations/presets.yaml: 4 groups x 8 samples a step
-PROMPT_LEN = 5      # the task's median prompt (fnrl/sim/repro/presets_measured.json)
+PROMPT_LEN = 5      # about the task's median prompt (5-6 tokens in the replay's record)
 
 
 # ---------------------------------------------------------------- the trainer's process
@@ -82,13 +82,12 @@ def trainer_child(model_dir: str, run_dir: str, buckets: list[int], cpu_threads:
     def batch(length: int) -> dict:
         """ROWS sequences filling `length` positions (fnrl.trainer.step.pack_sequences)."""
         rng = np.random.default_rng(length)
-        prompt = PROMPT_LEN
-        prompts = [tuple(rng.integers(3, 64, prompt).tolist()) for _ in range(ROWS)]
-        responses = [tuple(rng.integers(3, 64, length + 1 - prompt).tolist())
+        prompts = [tuple(rng.integers(3, 64, PROMPT_LEN).tolist()) for _ in range(ROWS)]
+        responses = [tuple(rng.integers(3, 64, length + 1 - PROMPT_LEN).tolist())
                      for _ in range(ROWS)]
         out = pack_sequences(prompts, responses, length, pad_id=0)
         out["behaviour_logp_BxT"] = scatter_response(
-            [(-1.0,) * len(r) for r in responses], [prompt] * ROWS, length)
+            [(-1.0,) * len(r) for r in responses], [PROMPT_LEN] * ROWS, length)
         out["adv_B"] = rng.standard_normal(ROWS).astype(np.float32)
         return {**out, **controls}
 

@@ -19,8 +19,9 @@ from fnrl.sim.workload import WorkloadSpec, group_lengths
 from toy import TOY, toy_cfg
 
 
-def shared(cfg, cores):
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, shared_cores=cores))
+def shared(cfg, cores, **cluster):
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, shared_cores=cores,
+                                                                **cluster))
 
 
 def events(sim):
@@ -43,10 +44,7 @@ def test_host_load_slows_only_what_shares_a_core_with_it_by_hand():
     (5.7 s: trains at 5.7 and 13.1); the trainer steps alone at its own speed. On two
     cores the load and the rollout fit: 10.5, as without it."""
     def run(cores, load):
-        cfg = toy_cfg()
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(
-            cfg.cluster, shared_cores=cores, host_load=load))
-        sim = Simulation(cfg, table=TOY)
+        sim = Simulation(shared(toy_cfg(), cores, host_load=load), table=TOY)
         return sim.run()["train_wall_s"], events(sim)
 
     assert run(1, 1.0) == (pytest.approx(18.1), [("train", 7.6, 8.8), ("pull", 8.8, 9.3),

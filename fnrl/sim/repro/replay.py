@@ -185,18 +185,19 @@ def measured_ratio(preset: str, which: str = "presets") -> float:
 
 
 def host(which: str, sync: str, threads: int, *, corun: bool = False,
-         buckets: bool = False) -> ClusterSpec:
+         buckets: bool = False, profiled: bool = False) -> ClusterSpec:
     """This machine as the record `which` measured it, its trainer on `threads` threads:
-    the derived decode, sync's publish and pull, 2 shared cores; `sync`'s mean train call
-    for every step (its trainer alone), or with `buckets` its calls by length bucket;
-    the cores shared thread by thread, or with `corun` as benchmarks/corun.py measured
-    them shared (CORUN)."""
+    the derived decode (or with `profiled` PROFILE's), sync's publish and pull, 2 shared
+    cores; `sync`'s mean train call for every step (its trainer alone), or with
+    `buckets` its calls by length bucket; the cores shared thread by thread, or with
+    `corun` as benchmarks/corun.py measured them shared (CORUN)."""
     if corun and threads != TRAINER_THREADS:
         raise ValueError(f"the co-run table was measured with the trainer on {TRAINER_THREADS} "
                          f"threads, not {threads}")
     calls = (dict(train_bucket_s=replay_data.bucket_calls(measured(which), sync)) if buckets
              else dict(train_step_s=train_call_s(which, sync) - publish_s(which)))
-    return ClusterSpec(decode=cost_file(which, corun), train_gpus=1, rollout_tp=1,
+    decode = str(PROFILE) if profiled else cost_file(which, corun)
+    return ClusterSpec(decode=decode, train_gpus=1, rollout_tp=1,
                        kv_capacity_tokens=KV_TOKENS, max_num_seqs=256, **calls,
                        publish_s=publish_s(which), pull_s=pull_s(which), shared_cores=CORES,
                        trainer_threads=threads, corun=str(CORUN) if corun else "")
@@ -229,17 +230,19 @@ def threads_runs(steps: int) -> tuple[dict, tuple]:
     return runs, claims
 
 
-VARIANTS = {   # suffix -> (`host`'s options, what else it changes, claim label)
-    "": ({}, {}, ""),
-    "_profiled": ({}, {"decode": str(PROFILE)}, ", profiled decode"),
-    "_corun": ({"corun": True}, {}, ", co-run table"),
-    "_profiled_corun": ({"corun": True}, {"decode": str(PROFILE)},
-                        ", profiled decode, co-run table"),
-    "_profiled_load": ({}, {"decode": str(PROFILE), "host_load": HOST_LOAD},
-                       ", profiled decode, host load"),
-    "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket"),
-    "_buckets": ({"buckets": True}, {}, ", calls by bucket"),
-    "_own_cores": ({}, {"shared_cores": 0, "trainer_threads": 1}, ", own cores"),
+# suffix -> (`host`'s options, what else it changes, claim label, absolute rows too)
+VARIANTS = {
+    "": ({}, {}, "", True),
+    "_profiled": ({"profiled": True}, {}, ", profiled decode", True),
+    "_corun": ({"corun": True}, {}, ", co-run table", False),
+    "_profiled_corun": ({"corun": True, "profiled": True}, {},
+                        ", profiled decode, co-run table", True),
+    "_profiled_load": ({"profiled": True}, {"host_load": HOST_LOAD},
+                       ", profiled decode, host load", True),
+    "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket",
+                       False),
+    "_buckets": ({"buckets": True}, {}, ", calls by bucket", False),
+    "_own_cores": ({}, {"shared_cores": 0, "trainer_threads": 1}, ", own cores", False),
 }
 
 
@@ -248,7 +251,7 @@ def setup(quick: bool = False) -> Setup:
     steps = 3 if quick else STEPS
     presets = ("sync", "fnrl") if quick else PRESETS
     runs, claims, metric = {}, (), "trained_tokens_per_s"
-    for suffix, (options, change, label) in VARIANTS.items():
+    for suffix, (options, change, label, _) in VARIANTS.items():
         cluster = dataclasses.replace(host("presets", "sync", TRAINER_THREADS, **options),
                                       **change)
         runs.update({f"{p}{suffix}": sim_config(p, cluster, workload(p), steps) for p in presets})
@@ -258,7 +261,7 @@ def setup(quick: bool = False) -> Setup:
     runs.update({f"measured_{p}": measured_run(p) for p in presets})
     claims += tuple(Claim(name=f"{p}, absolute{label}", system=f"{p}{suffix}",
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
-                    for suffix, (_, _, label) in VARIANTS.items() if suffix in ("", "_profiled", "_profiled_corun", "_profiled_load")
+                    for suffix, (_, _, label, absolute) in VARIANTS.items() if absolute
                     for p in presets)
     more_runs, more_claims = threads_runs(steps)
     runs.update(more_runs)
