@@ -2,7 +2,7 @@
 
     python benchmarks/presets.py [--steps 8] [--servers 2] [--presets sync,fnrl] [--seeds 0,1]
                                  [--len-dist natural | lognormal --len-median 16 --len-sigma 1]
-                                 [--max-cells N] [--out DIR]
+                                 [--max-cells N | --profile-decode] [--out DIR]
 
 The benchmark is the ablation file benchmarks/ablations/presets.yaml run by
 fnrl.experiments.ablate; this script lays its flags over the file and prints the
@@ -35,11 +35,44 @@ from pathlib import Path
 
 from fnrl.config.files import merge, nest
 from fnrl.experiments.ablate import pinned, raise_system_exit, run_ablation
-from fnrl.experiments.ablation_grid import expand, read_spec
+from fnrl.experiments.ablation_grid import cell_finished, expand, read_spec
 from fnrl.experiments.ablation_report import write_report
 from fnrl.experiments.presets import PRESETS
+from fnrl.sim.repro.replay_data import DECODE_PROFILES as PROFILES
 
 SPEC = Path(__file__).resolve().parent / "ablations" / "presets.yaml"
+
+
+def run_profiled_rounds(spec) -> dict[str, str]:
+    """The rounds one at a time in the file's order, each after a profile of the decode
+    of its servers, started as its cells start them and sent batches side by side
+    (fnrl.experiments.profile_cost --servers N): the machine's speed drifts by tens of
+    per cent between sessions, and a profile taken in the same round says what its
+    cells ran at. A round's profile is kept on resume; a failed cell ends the run."""
+    from fnrl.experiments.ablate import cell_config
+    from fnrl.experiments.math_grpo import context_len, resolve_model_dir
+    from fnrl.experiments.profile_cost import ProfileArgs
+    from fnrl.experiments.profile_cost import main as profile
+
+    cells, state = expand(spec), {}
+    for r in sorted({c.round for c in cells}):
+        todo = [c for c in cells if c.round == r and not cell_finished(spec, c)]
+        if not todo:
+            continue
+        cfg = cell_config(spec, todo[0])
+        out = spec.out_dir / PROFILES / f"seed={cfg.seed}.json"
+        if not out.exists():
+            model_dir = resolve_model_dir(cfg)      # the pinned model, as its cells run it
+            print(f"round {r} (seed {cfg.seed}): profiling the decode of "
+                  f"{cfg.rollout.num_servers} servers side by side", flush=True)
+            profile(ProfileArgs(model_dir=str(model_dir), servers=cfg.rollout.num_servers,
+                                max_context=context_len(cfg, model_dir),
+                                max_num_seqs=cfg.rollout.max_num_seqs, repeats=3,
+                                out=str(out)))
+        state = run_ablation(spec, max_cells=len(todo))
+        if any(v.startswith("failed") for v in state.values()):
+            break
+    return state
 
 
 def main() -> int:
@@ -61,6 +94,10 @@ def main() -> int:
     parser.add_argument("--seeds", default=None, help="comma-separated (default: the file's)")
     parser.add_argument("--max-cells", type=int, default=None)
     parser.add_argument("--out", default=None, help="output directory (default: the file's)")
+    parser.add_argument("--profile-decode", action="store_true",
+                        help="before each round, profile the servers' decode as the job runs "
+                             f"them, side by side, into OUT/{PROFILES}/seed=S.json (the "
+                             "replay's per-round served decode: fnrl.sim.repro.replay)")
     args = parser.parse_args()
     spec = read_spec(SPEC)
     flags = {"steps": args.steps, "algo.groups_per_step": args.groups,
@@ -83,7 +120,12 @@ def main() -> int:
                                output=args.out or spec.output)
     signal.signal(signal.SIGTERM, raise_system_exit)   # a running cell stops with its roles
     spec = pinned(spec)
-    state = run_ablation(spec, max_cells=args.max_cells)
+    if args.profile_decode:
+        if args.max_cells is not None:
+            parser.error("--profile-decode runs whole rounds: drop --max-cells")
+        state = run_profiled_rounds(spec)
+    else:
+        state = run_ablation(spec, max_cells=args.max_cells)
     write_report(spec, expand(spec))
     print((spec.out_dir / "ablation.md").read_text())
     return 1 if any(s.startswith("failed") for s in state.values()) else 0

@@ -2,9 +2,12 @@
 
     python -m fnrl.experiments.profile_cost                       # embedded model
     python -m fnrl.experiments.profile_cost --model-dir DIR --out FILE.json
+    python -m fnrl.experiments.profile_cost --servers 2 --batches-from RUN_DIR ...
 
-starts a vLLM server (fnrl.serving.server, as the main job does), streams batches of
-random prompts over a grid of batch sizes and context lengths, fits
+starts a vLLM server (fnrl.serving.server, as the main job does; `--servers N`: N side
+by side, each timed on its own batch while all generate), streams batches of random
+prompts over a grid of batch sizes and context lengths (or `--batches-from`: the batches
+recorded runs trained, their prompts and response lengths), fits
 L = k1·kv + max(k2, k3·n) + k4 (Eq. 11) by least squares ("offline profiling and linear
 regression", §5.3; the pure fit is fnrl.policy.cost_model), checks the fit on held-out
 batches measured in the same session, and writes JSON (default: `cost_model.json` in the
@@ -64,6 +67,19 @@ class ProfileArgs:
     repeats: int = 5
     """Runs per batch; each batch's median wall time is fitted."""
     max_num_seqs: int = 64
+    servers: int = 1
+    """Servers started side by side, each sent the same batch at the same moment (fresh
+    prompts each); a run's time is the mean of theirs. 1 times one engine on a quiet host.
+    N > 1 times one server while N generate, as a job with N servers on this host runs
+    them: on a shared CPU host they slow each other (benchmarks/corun.py measures how
+    much), and on one with a device each they do not."""
+    batches_from: tuple[str, ...] = ()
+    """Run directories of the main job: measure the batches they trained (their
+    recorded prompts and response lengths, `batch_groups` groups a batch dealt to the
+    servers group by group) instead of the random grid; the fit on the workload itself."""
+    batch_groups: int = 4
+    heldout_every: int = 4
+    """With batches_from: every heldout_every-th batch is held out (0: none)."""
     kv_memory_fraction: float = 0.0
     """0: the server's KV sized from max_num_seqs x context (fnrl.serving.server)."""
     startup_timeout_s: float = 300.0
@@ -71,16 +87,19 @@ class ProfileArgs:
 
     def __post_init__(self):
         sizes = self.batch_sizes + self.heldout_batch_sizes
-        if not self.batch_sizes or min(sizes) <= 0 or max(sizes) > self.max_num_seqs:
+        if not self.batches_from and (not self.batch_sizes or min(sizes) <= 0
+                                      or max(sizes) > self.max_num_seqs):
             raise ValueError(f"ProfileArgs.batch_sizes={self.batch_sizes!r} / heldout_batch_"
                              f"sizes={self.heldout_batch_sizes!r}: must be in 1..max_num_seqs="
                              f"{self.max_num_seqs}")
         if not self.context_fractions or not all(0 < f <= 1 for f in self.context_fractions):
             raise ValueError(f"ProfileArgs.context_fractions={self.context_fractions!r}: "
                              "must be in (0, 1]")
-        for name in ("max_context", "repeats"):
+        for name in ("max_context", "repeats", "servers", "batch_groups"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ProfileArgs.{name}={getattr(self, name)!r}: must be > 0")
+        if self.heldout_every < 0:
+            raise ValueError(f"ProfileArgs.heldout_every={self.heldout_every!r}: must be >= 0")
         if not 0 <= self.kv_memory_fraction < 1:
             raise ValueError(f"ProfileArgs.kv_memory_fraction={self.kv_memory_fraction!r}: "
                              "must be in [0, 1) (0: sized from the run's need)")
@@ -88,11 +107,16 @@ class ProfileArgs:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One batch to measure: prompt length and each request's forced response length."""
+    """One server's batch to measure: each request's forced response length, and its
+    prompt: recorded token ids, or (None) fresh random ones of prompt_len tokens."""
 
     prompt_len: int
     lengths: tuple[int, ...]
     heldout: bool
+    prompts: tuple[tuple[int, ...], ...] | None = None
+
+
+Run = tuple[RunSpec, ...]    # one batch a server, sent to all of them at the same moment
 
 
 def plan_runs(args: ProfileArgs, context: int) -> list[RunSpec]:
@@ -114,6 +138,42 @@ def plan_runs(args: ProfileArgs, context: int) -> list[RunSpec]:
     return specs
 
 
+def recorded_runs(run_dirs: tuple[str, ...], servers: int, batch_groups: int,
+                  heldout_every: int) -> list[Run]:
+    """Batches as recorded runs trained them: each run directory's consumed groups
+    (trajectories.jsonl) in order, `batch_groups` groups a batch, dealt to the servers
+    group by group as the router spreads a batch (group k to server k mod servers); every
+    request its recorded prompt and response length. Every `heldout_every`-th batch is
+    held out. Single-turn runs only: a multi-turn trajectory is several requests."""
+    runs = []
+    for run_dir in run_dirs:
+        path = Path(run_dir).expanduser() / "trajectories.jsonl"
+        if not path.exists():
+            raise FileNotFoundError(f"batches_from={run_dir!r}: {str(path)!r} does not exist "
+                                    "(a run directory of the main job)")
+        groups = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            trajs = json.loads(line)["trajectories"]
+            if any(len(t["token_ids"]) != 1 for t in trajs):
+                raise ValueError(f"batches_from={run_dir!r}: {path.name} line {i + 1} holds a "
+                                 "multi-turn trajectory; only single-turn runs can be replayed")
+            groups.append([(tuple(t["prompt_ids"]), max(1, len(t["token_ids"][0])))
+                           for t in trajs])
+        for b in range(len(groups) // batch_groups):
+            batch = groups[b * batch_groups:(b + 1) * batch_groups]
+            heldout = heldout_every > 0 and len(runs) % heldout_every == heldout_every - 1
+            dealt = [[r for g in batch[k::servers] for r in g] for k in range(servers)]
+            if not all(dealt):
+                raise ValueError(f"batches_from: {batch_groups} groups a batch leave a server "
+                                 f"of {servers} without work")
+            runs.append(tuple(RunSpec(round(float(np.mean([len(p) for p, _ in reqs]))),
+                                      tuple(n for _, n in reqs), heldout,
+                                      tuple(p for p, _ in reqs)) for reqs in dealt))
+    if not runs:
+        raise ValueError(f"batches_from={run_dirs!r}: no batch of {batch_groups} groups")
+    return runs
+
+
 def run_order(n_specs: int, repeats: int, seed: int) -> list[int]:
     """Every spec `repeats` times, shuffled, so drift in the machine's load spreads over
     fit and held-out runs alike."""
@@ -121,29 +181,31 @@ def run_order(n_specs: int, repeats: int, seed: int) -> list[int]:
                                                        ).tolist()
 
 
-def median_runs(specs: list[RunSpec], order: list[int], walls: list[float]
-                ) -> list[Measurement]:
-    """One Measurement per spec with the median of its repeats' wall times: on a shared
-    machine a run now and then loses the core to another process, and the median
-    ignores that where a mean would not."""
-    by_spec = _group(order, walls)
-    return [Measurement(s.prompt_len, s.lengths, float(np.median(by_spec[i])))
-            for i, s in enumerate(specs)]
+def median_runs(runs: list[Run], order: list[int], walls: list[tuple[float, ...]]
+                ) -> list[tuple[Measurement, bool]]:
+    """One Measurement a server's batch of each run, with the median of its repeats' wall
+    times (and whether it is held out): on a shared machine a run now and then loses the
+    core to another process, and the median ignores that where a mean would not."""
+    by_run = _group(order, walls)
+    return [(Measurement(s.prompt_len, s.lengths,
+                         float(np.median([w[k] for w in by_run[i]]))), s.heldout)
+            for i, run in enumerate(runs) for k, s in enumerate(run)]
 
 
-async def measure(base_url: str, specs: list[RunSpec], order: list[int], *, vocab: int,
-                  seed: int = 0) -> list[float]:
-    """Runs specs[i] for i in `order` against the server, streamed as the main job
-    streams, and returns each run's wall time."""
+async def measure(base_urls: list[str], runs: list[Run], order: list[int], *,
+                  vocab: int, seed: int = 0) -> list[tuple[float, ...]]:
+    """Runs runs[i] for i in `order`, each server its batch, all at once, streamed as the
+    main job streams; each run's wall time on each server."""
     rng = np.random.default_rng(seed)
 
     async def one(client, spec: RunSpec) -> float:
         # Fresh random prompts each run, so the prefix cache never shortcuts prefill.
-        prompts = rng.integers(3, vocab, size=(len(spec.lengths), spec.prompt_len)).tolist()
+        prompts = spec.prompts or rng.integers(
+            3, vocab, size=(len(spec.lengths), spec.prompt_len)).tolist()
 
         async def request(prompt, length) -> int:
             n = 0
-            async for chunk in client.generate_stream(prompt, max_tokens=length,
+            async for chunk in client.generate_stream(list(prompt), max_tokens=length,
                                                       temperature=1.0, seed=None,
                                                       ignore_eos=True):
                 n += len(chunk.token_ids)
@@ -156,12 +218,15 @@ async def measure(base_url: str, specs: list[RunSpec], order: list[int], *, voca
             raise RuntimeError(f"asked lengths {spec.lengths}, got {tuple(got)}")
         return wall
 
+    async def together(clients, run: Run) -> tuple[float, ...]:
+        return tuple(await asyncio.gather(*(one(c, s) for c, s in zip(clients, run))))
+
     async with aiohttp.ClientSession() as session:
-        client = RolloutClient(base_url, session)
+        clients = [RolloutClient(url, session) for url in base_urls]
         # Warm-up: first requests allocate buffers and fill the allocator's caches.
-        for spec in sorted(specs, key=lambda s: len(s.lengths))[-3:]:
-            await one(client, spec)
-        return [await one(client, specs[i]) for i in order]
+        for run in sorted(runs, key=lambda r: sum(len(s.lengths) for s in r))[-3:]:
+            await together(clients, run)
+        return [await together(clients, runs[i]) for i in order]
 
 
 def model_context(model_dir: Path, cap: int) -> tuple[int, int]:
@@ -170,26 +235,47 @@ def model_context(model_dir: Path, cap: int) -> tuple[int, int]:
 
 
 def profile(args: ProfileArgs, model_dir: Path) -> dict:
-    """Start a server on `model_dir`, measure, fit, evaluate held-out; the JSON record."""
+    """Start the servers on `model_dir`, measure, fit, evaluate held-out; the JSON record."""
     context, vocab = model_context(model_dir, args.max_context)
-    specs = plan_runs(args, context)
-    order = run_order(len(specs), args.repeats, args.seed)
-    spec = ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=context,
-                      max_num_seqs=args.max_num_seqs,
-                      kv_memory_fraction=args.kv_memory_fraction, seed=args.seed)
-    log = Path(tempfile.mkdtemp(prefix="fnrl-profile-")) / "server.log"
-    proc = launch_server(spec, log)
+    if args.batches_from:
+        runs = recorded_runs(args.batches_from, args.servers, args.batch_groups,
+                             args.heldout_every)
+        too_long = [s.prompt_len + max(s.lengths) for r in runs for s in r
+                    if s.prompt_len + max(s.lengths) > context]
+        if too_long:
+            raise ValueError(f"batches_from: a recorded request of {max(too_long)} tokens "
+                             f"exceeds the profiled context {context} (--max-context)")
+        widest = max(len(s.lengths) for r in runs for s in r)
+        if widest > args.max_num_seqs:
+            raise ValueError(f"batches_from: a server's batch of {widest} requests exceeds "
+                             f"max_num_seqs={args.max_num_seqs} (--max-num-seqs)")
+    else:
+        runs = [(s,) * args.servers for s in plan_runs(args, context)]
+    order = run_order(len(runs), args.repeats, args.seed)
+    servers = [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=context,
+                          max_num_seqs=args.max_num_seqs,
+                          kv_memory_fraction=args.kv_memory_fraction, seed=args.seed + i)
+               for i in range(args.servers)]
+    logs = Path(tempfile.mkdtemp(prefix="fnrl-profile-"))
     t0 = time.perf_counter()
+    procs = []
     try:
-        wait_ready(spec.base_url, proc, args.startup_timeout_s)
-        walls = asyncio.run(measure(spec.base_url, specs, order, vocab=vocab, seed=args.seed))
+        for i, spec in enumerate(servers):
+            procs.append(launch_server(spec, logs / f"server{i}.log"))
+        for spec, proc in zip(servers, procs):
+            wait_ready(spec.base_url, proc, args.startup_timeout_s)
+        walls = asyncio.run(measure([s.base_url for s in servers], runs, order, vocab=vocab,
+                                    seed=args.seed))
     finally:
-        stop_server(proc)
-    runs = median_runs(specs, order, walls)
-    fit_runs = [m for m, s in zip(runs, specs) if not s.heldout]
-    held = [m for m, s in zip(runs, specs) if s.heldout]
-    fit = fit_cost_model(fit_runs, max_batch=max(args.batch_sizes))
-    spread = [np.ptp(w) / np.median(w) for w in _group(order, walls).values() if len(w) > 1]
+        for proc in procs:
+            stop_server(proc)
+    measured = median_runs(runs, order, walls)
+    fit_runs = [m for m, heldout in measured if not heldout]
+    held = [m for m, heldout in measured if heldout]
+    fit = fit_cost_model(fit_runs, max_batch=max(len(s.lengths) for r in runs for s in r))
+    by_run = _group(order, walls)
+    spread = [np.ptp(w) / np.median(w) for ws in by_run.values() if len(ws) > 1
+              for w in np.array(ws).T]
     import vllm
 
     return {
@@ -204,15 +290,18 @@ def profile(args: ProfileArgs, model_dir: Path) -> dict:
         "repeat_spread_median": float(np.median(spread)) if spread else None,
         "engine": {"vllm": vllm.__version__, "model_dir": str(model_dir),
                    "max_model_len": context, "max_num_seqs": args.max_num_seqs,
-                   "dtype": spec.dtype, "cpu_threads": spec.cpu_threads,
+                   "dtype": servers[0].dtype, "cpu_threads": servers[0].cpu_threads,
+                   "servers": args.servers,
                    "host_cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                    "profile_s": time.perf_counter() - t0},
         "args": asdict(args),
-        "runs": [{**asdict(s), "wall_s": _group(order, walls)[i]} for i, s in enumerate(specs)],
+        "runs": [{"servers": [{k: v for k, v in asdict(s).items() if k != "prompts"}
+                              for s in run], "wall_s": by_run[i]}
+                 for i, run in enumerate(runs)],
     }
 
 
-def _group(order: list[int], walls: list[float]) -> dict[int, list[float]]:
+def _group(order: list[int], walls: list) -> dict[int, list]:
     out: dict[int, list[float]] = {}
     for i, wall in zip(order, walls):
         out.setdefault(i, []).append(wall)

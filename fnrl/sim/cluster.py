@@ -147,15 +147,15 @@ class Simulation:
         """Busy roles share the host's cores (ClusterSpec.shared_cores) thread by thread:
         the trainer in a step runs `trainer_threads` threads, a busy rollout one, and when
         there are more threads than cores each gets cores / threads of one. A rollout's
-        decode is timed on a core of its own, the train step on min(threads, cores)
-        cores (as it runs alone); the serial part of a step (a first use's load,
-        ClusterSpec.train_bucket_s) runs one thread. With a co-run table
+        decode is timed as profiled (DecodeCosts.servers side by side), the train step on
+        min(threads, cores) cores (as it runs alone); the serial part of a step (a first
+        use's load, ClusterSpec.train_bucket_s) runs one thread. With a co-run table
         (ClusterSpec.corun) the step's other work and the decode are slowed by the
         measured factors instead. When a factor changes, the train step in flight is
         re-timed (the work left, at the new speed) and every rollout from its last step
         boundary (a prefill in progress keeps its end). A rollout is busy with a running
         batch or a queue it will admit."""
-        c = self.cfg.cluster
+        c, n0 = self.cfg.cluster, self.lay.decode.servers   # the decode is one of n0's
         servers = sum((i.n > 0 or bool(i.queue)) and not i.pulling for i in self.inst)
         busy = self.book.trainer_busy
         load = c.host_load if servers else 0.0           # roles not simulated, beside them
@@ -164,8 +164,9 @@ class Simulation:
         if self.corun is None:
             f_inst = max(1.0, threads / c.shared_cores)    # 1 / each thread's share of a core
             f_par = min(c.trainer_threads, c.shared_cores) * f_inst / c.trainer_threads
+            f_inst /= max(1.0, n0 / c.shared_cores)
         else:
-            f_inst = self.corun.server_factor(servers, busy)
+            f_inst = self.corun.server_factor(servers, busy) / self.corun.server_factor(n0, False)
             f_par = self.corun.trainer_factor(servers)
         frac = self.training.get("serial_frac", 0.0) if busy else 0.0
         f_train = frac * serial + (1.0 - frac) * f_par

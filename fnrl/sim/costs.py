@@ -131,6 +131,11 @@ class DecodeCosts:
     cost: CostModel
     prefill_s_per_token: float = 0.0
     per_request_s: float = 0.0
+    servers: int = 1
+    """How many servers were generating side by side on the host when it was measured
+    (`profile_cost --servers`): on a shared CPU host (ClusterSpec.shared_cores) the
+    costs are those of one server beside servers - 1 others, and the host's slowdowns
+    are taken relative to that many."""
 
 
 def load_table(path: Path | None = None) -> dict:
@@ -164,8 +169,12 @@ def load_profiled(path: str | Path) -> DecodeCosts:
         cost = CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
     except KeyError as err:
         raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
+    servers = data.get("engine", {}).get("servers", 1)
+    if type(servers) is not int or servers < 1:
+        raise ValueError(f"cost file {str(path)!r}: engine.servers={servers!r} must be an "
+                         "integer >= 1 (the servers generating side by side when profiled)")
     return DecodeCosts(cost=cost, prefill_s_per_token=float(data.get("prefill_s_per_token", 0.0)),
-                       per_request_s=float(data.get("per_request_s", 0.0)))
+                       per_request_s=float(data.get("per_request_s", 0.0)), servers=servers)
 
 
 @dataclass(frozen=True, kw_only=True)

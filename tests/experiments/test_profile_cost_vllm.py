@@ -29,8 +29,9 @@ def test_short_profile_predicts_heldout_batches(tiny_model_dir, tmp_path):
     fit = RunCostFit(cost=cost, overhead_s=record["overhead_s"],
                      per_request_s=record["per_request_s"],
                      prefill_s_per_token=record["prefill_s_per_token"])
-    held = [Measurement(r["prompt_len"], tuple(r["lengths"]), float(np.median(r["wall_s"])))
-            for r in record["runs"] if r["heldout"]]
+    held = [Measurement(s["prompt_len"], tuple(s["lengths"]),
+                        float(np.median([w[k] for w in r["wall_s"]])))
+            for r in record["runs"] for k, s in enumerate(r["servers"]) if s["heldout"]]
     quality = fit_quality(fit, held)
     assert quality == pytest.approx(record["heldout"])
     assert quality["runs"] == 9
@@ -48,3 +49,29 @@ def test_short_profile_predicts_heldout_batches(tiny_model_dir, tmp_path):
     cfg, path = with_cost_file(RunConfig(coord=CoordinatorConfig(cost_file=str(out))),
                                tiny_model_dir)
     assert path == out and cfg.coord.cost == cost and cfg.coord.cost_file == str(out)
+
+
+def test_recorded_batches_on_two_servers(tiny_model_dir, tmp_path):
+    """--batches-from on two servers side by side: a run directory's groups, dealt group
+    by group, each server timed on its own batch; the file says it was two servers', and
+    the simulator reads it so (fnrl.sim.costs.load_profiled)."""
+    from fnrl.sim.costs import load_profiled
+
+    rng = np.random.default_rng(0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    groups = [{"trajectories": [{"prompt_ids": prompt, "token_ids": [[5] * int(n)]}
+                                for n in rng.integers(2, 20, size=2)]}
+              for prompt in rng.integers(3, 60, size=(16, 6)).tolist()]
+    (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
+    out = tmp_path / "served.json"
+    record = main(ProfileArgs(model_dir=str(tiny_model_dir), out=str(out), servers=2,
+                              batches_from=(str(run_dir),), batch_groups=2, repeats=1,
+                              max_num_seqs=8, max_context=64))
+    assert record["engine"]["servers"] == 2 and len(record["runs"]) == 8
+    for r in record["runs"]:
+        assert len(r["servers"]) == 2 and all(len(w) == 2 and min(w) > 0 for w in r["wall_s"])
+    assert [list(s["lengths"]) for s in record["runs"][0]["servers"]] == [
+        [len(t["token_ids"][0]) for t in groups[k]["trajectories"]] for k in (0, 1)]
+    assert (record["fit"]["runs"], record["heldout"]["runs"]) == (12, 4)
+    assert load_profiled(out).servers == 2

@@ -145,6 +145,40 @@ def test_corun_tables_that_do_not_fit_are_named(tmp_path):
     assert (table.server_factor(1, False), table.server_factor(2, True)) == (1.0, 1.2)
 
 
+def test_a_decode_profiled_beside_another_server_by_hand(tmp_path):
+    """A cost file profiled with 2 servers generating side by side (`profile_cost
+    --servers 2`, engine.servers) costs one server beside another. Sync's toy schedule
+    (a batch 3.8 s: prefill 8 × 0.1 s, 3 steps of 1 s) has one rollout: on one core
+    the thread share gives it the core the two profiled servers shared, twice their
+    share (a batch 1.9 s: trains 1.9–3.1, pull to 3.6, the next batch to 5.5, train to
+    6.7); a co-run table that measured two servers 2× slower than one does the same. On
+    two cores each profiled server had a core of its own: 10.5, as profiled alone."""
+    def cost_file(servers):
+        path = tmp_path / f"decode{servers}.json"
+        path.write_text(json.dumps({"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": 1.0, "k5": 1.0,
+                                    "prefill_s_per_token": 0.1, "engine": {"servers": servers}}))
+        return str(path)
+
+    def run(cores, servers, **cluster):
+        sim = Simulation(shared(toy_cfg(), cores, decode=cost_file(servers), **cluster),
+                         table=TOY)
+        return sim.run()["train_wall_s"], events(sim)
+
+    halved = (pytest.approx(6.7), [("train", 1.9, 3.1), ("pull", 3.1, 3.6), ("train", 5.5, 6.7)])
+    assert run(1, 2) == halved
+    corun = tmp_path / "corun2.json"
+    corun.write_text(json.dumps({
+        "trainer_slowdown": {"1": {"slowdown": 1.0}, "2": {"slowdown": 1.0}},
+        "server_slowdown": {k: {"slowdown": v} for k, v in (
+            ("1", 1.0), ("1+trainer", 1.0), ("2", 2.0), ("2+trainer", 2.0))}}))
+    assert run(1, 2, corun=str(corun)) == halved
+    assert run(2, 2)[0] == pytest.approx(10.5)
+    assert run(1, 1)[0] == pytest.approx(10.5)
+    assert costs.load_profiled(cost_file(2)).servers == 2
+    with pytest.raises(ValueError, match="engine.servers=0"):
+        costs.load_profiled(cost_file(0))
+
+
 def test_train_calls_by_length_bucket():
     """ClusterSpec.train_bucket_s: the smallest bucket holding the batch's longest
     sequence; its first use costs `first`, later ones `steady`; the publish stall is paid
@@ -194,7 +228,7 @@ def test_replay_inputs_from_the_measured_runs():
     assert replay.decode_step_s() * longest == pytest.approx(
         generate - replay.pull_s() - replay.TICK_S)
     d = costs.load_profiled(replay.cost_file())
-    assert (d.cost.k1, d.cost.k2, d.cost.k3) == (0.0, 0.0, 0.0)
+    assert (d.cost.k1, d.cost.k2, d.cost.k3, d.servers) == (0.0, 0.0, 0.0, replay.SERVERS)
     assert d.cost.k4 == pytest.approx(replay.decode_step_s())
     # Seed s replays round s group by group; an unrecorded group is one of the round's.
     spec = replay.workload("one_step")
@@ -267,6 +301,19 @@ def test_replay_data_reads_a_run_directory(tmp_path):
     # taken as cheaper than the steady).
     (bucket,) = replay_data.bucket_calls(data, "sync")
     assert bucket == pytest.approx((64, 0.75, 0.75))
+    assert "decode" not in data
+    # benchmarks/presets.py --profile-decode: each round's profile is kept, and the
+    # replay decodes the round on it; a round without one is named.
+    profiles = tmp_path / replay_data.DECODE_PROFILES
+    profiles.mkdir()
+    profile = {"k1": 0.0, "k2": 1e-3, "k3": 1e-4, "k4": 2e-3, "k5": 1.0, "per_request_s": 0.0,
+               "engine": {"servers": 2}, "runs": ["left out"]}
+    (profiles / "seed=3.json").write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match=r"no profile for rounds \[4\]"):
+        replay_data.extract(tmp_path, log=said.append)
+    (profiles / "seed=4.json").write_text(json.dumps(profile))
+    data = replay_data.extract(tmp_path, log=said.append)
+    assert data["decode"] == {"4": {k: v for k, v in profile.items() if k != "runs"}}
     (run / "metrics.jsonl").write_text(json.dumps({**step, "step": 1}) + "\n")
     with pytest.raises(ValueError, match="1 train records for 2 steps"):
         replay_data.extract(tmp_path, log=said.append)
@@ -286,6 +333,16 @@ def test_replay_quick_runs(tmp_path):
                          "fnrl × sync, profiled decode, host load",
                          "sync, absolute, profiled decode, host load",
                          "fnrl, absolute, profiled decode, host load",
+                         "fnrl × sync, served decode", "sync, absolute, served decode",
+                         "fnrl, absolute, served decode",
+                         "fnrl × sync, served decode, co-run table",
+                         "sync, absolute, served decode, co-run table",
+                         "fnrl, absolute, served decode, co-run table",
+                         "sync, absolute, served decode of its round (profiled rounds)",
+                         "fnrl, absolute, served decode of its round (profiled rounds)",
+                         "fnrl × sync, served decode of its round (profiled rounds)",
+                         "sync, absolute, served decode (profiled rounds)",
+                         "fnrl, absolute, served decode (profiled rounds)",
                          "fnrl × sync (trainer threads run)",
                          "sync@1thread × sync (trainer threads run)",
                          "fnrl@1thread × sync (trainer threads run)"}
@@ -302,13 +359,28 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 19
+    assert len(out["rows"]) == 30
     assert s["sync_profiled_load"]["trained_tokens_per_s"] < s["sync_profiled"]["trained_tokens_per_s"]
-    # The co-run rows run on the committed table, and decode sync's derived step over
-    # its factor for two servers side by side.
-    table = costs.load_corun(replay.CORUN)
-    assert s["sync_corun"]["cost_model"]["k4"] == pytest.approx(
-        replay.decode_step_s() / table.server_factor(2, False))
+    # The derived and served decodes are one of sync's two servers side by side (the
+    # served one from the committed two-server profile). With the co-run table a server
+    # left alone when the other has finished its batch speeds up; thread by thread (two
+    # threads on two cores) it does not.
+    assert s["sync_corun"]["cost_model"]["k4"] == pytest.approx(replay.decode_step_s())
+    assert s["sync_corun"]["trained_tokens_per_s"] > s["sync"]["trained_tokens_per_s"]
+    served = costs.load_profiled(str(replay.SERVED))
+    assert served.servers == replay.SERVERS
+    assert s["sync_served"]["cost_model"]["k4"] == pytest.approx(served.cost.k4)
+    # The profiled rounds: seed 0 replays the record's first round on the decode profiled
+    # just before it, against that round's measured throughput.
+    data = replay_data.load(replay_data.PRESETS_PROFILED)
+    first = replay_data.rounds(data)[0]
+    coefficients = ("k1", "k2", "k3", "k4")
+    assert [s["rounds:sync"]["cost_model"][k] for k in coefficients] == pytest.approx(
+        [data["decode"][str(first)][k] for k in coefficients])
+    assert s["rounds:measured_fnrl"]["trained_tokens_per_s"] == pytest.approx(
+        data["cells"][f"fnrl/{first}"]["trained_tokens_per_s"])
+    assert s["rounds_served:sync"]["cost_model"]["k4"] == pytest.approx(served.cost.k4)
+    assert s["sync_served_corun"]["trained_tokens_per_s"] > s["sync_served"]["trained_tokens_per_s"]
     # Profiled and co-run: the profile (one server alone) slowed by the table's factors.
     assert s["sync_profiled_corun"]["cost_model"]["k4"] == pytest.approx(profile.k4)
     assert s["sync_profiled_corun"]["trained_tokens_per_s"] < s["sync_profiled"]["trained_tokens_per_s"]

