@@ -67,8 +67,9 @@ def run_profiled_rounds(spec) -> dict[str, str]:
                   f"{cfg.rollout.num_servers} servers side by side", flush=True)
             profile(ProfileArgs(model_dir=str(model_dir), servers=cfg.rollout.num_servers,
                                 max_context=context_len(cfg, model_dir),
-                                max_num_seqs=cfg.rollout.max_num_seqs, repeats=3,
-                                out=str(out)))
+                                max_num_seqs=cfg.rollout.max_num_seqs,
+                                kv_memory_fraction=cfg.rollout.kv_memory_fraction,
+                                repeats=3, out=str(out)))
         state = run_ablation(spec, max_cells=len(todo))
         if any(v.startswith("failed") for v in state.values()):
             break

@@ -29,6 +29,7 @@ import aiohttp
 import numpy as np
 
 from fnrl.config import CostModel, ModelConfig, TaskConfig, WarmStartConfig
+from fnrl.control.metrics import generated_length, read_jsonl
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.policy.cost_model import Measurement, fit_cost_model, fit_quality
 from fnrl.serving.client import RolloutClient
@@ -68,11 +69,12 @@ class ProfileArgs:
     """Runs per batch; each batch's median wall time is fitted."""
     max_num_seqs: int = 64
     servers: int = 1
-    """Servers started side by side, each sent the same batch at the same moment (fresh
-    prompts each); a run's time is the mean of theirs. 1 times one engine on a quiet host.
-    N > 1 times one server while N generate, as a job with N servers on this host runs
-    them: on a shared CPU host they slow each other (benchmarks/corun.py measures how
-    much), and on one with a device each they do not."""
+    """Servers started side by side, each sent its batch at the same moment (the grid's:
+    the same lengths, fresh prompts each); each server's time is one measurement, and the
+    file records the count (engine.servers). 1 times one engine on a quiet host. N > 1
+    times one server while N generate, as a job with N servers on this host runs them: on
+    a shared CPU host they slow each other (benchmarks/corun.py measures how much), and
+    on one with a device each they do not."""
     batches_from: tuple[str, ...] = ()
     """Run directories of the main job: measure the batches they trained (their
     recorded prompts and response lengths, `batch_groups` groups a batch dealt to the
@@ -152,12 +154,12 @@ def recorded_runs(run_dirs: tuple[str, ...], servers: int, batch_groups: int,
             raise FileNotFoundError(f"batches_from={run_dir!r}: {str(path)!r} does not exist "
                                     "(a run directory of the main job)")
         groups = []
-        for i, line in enumerate(path.read_text().splitlines()):
-            trajs = json.loads(line)["trajectories"]
-            if any(len(t["token_ids"]) != 1 for t in trajs):
+        for i, line in enumerate(read_jsonl(path)):
+            trajs = line["trajectories"]
+            if any(len(t["segments"]) > 1 for t in trajs):
                 raise ValueError(f"batches_from={run_dir!r}: {path.name} line {i + 1} holds a "
                                  "multi-turn trajectory; only single-turn runs can be replayed")
-            groups.append([(tuple(t["prompt_ids"]), max(1, len(t["token_ids"][0])))
+            groups.append([(tuple(t["prompt_ids"]), max(1, generated_length(t)))
                            for t in trajs])
         for b in range(len(groups) // batch_groups):
             batch = groups[b * batch_groups:(b + 1) * batch_groups]

@@ -33,7 +33,8 @@ def write_run(run_dir, groups):
     """A run directory's trajectories.jsonl: one line a group, (prompt, lengths)."""
     run_dir.mkdir()
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps({"group": f"g{i}", "trajectories": [
-        {"prompt_ids": list(prompt), "token_ids": [[7] * n]} for n in lengths]}) + "\n"
+        {"prompt_ids": list(prompt), "token_ids": [[7] * n], "segments": [[0, n]]}
+        for n in lengths]}) + "\n"
         for i, (prompt, lengths) in enumerate(groups)))
 
 
@@ -57,7 +58,7 @@ def test_recorded_batches_dealt_group_by_group(tmp_path):
         recorded_runs((str(tmp_path / "missing"),), servers=1, batch_groups=1, heldout_every=0)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "trajectories.jsonl").write_text(json.dumps({"trajectories": [
-        {"prompt_ids": [1], "token_ids": [[2], [3]]}]}) + "\n")
+        {"prompt_ids": [1], "token_ids": [[2], [3]], "segments": [[0, 1], [2, 1]]}]}) + "\n")
     with pytest.raises(ValueError, match="line 1 holds a multi-turn trajectory"):
         recorded_runs((str(tmp_path / "b"),), servers=1, batch_groups=1, heldout_every=0)
 

@@ -275,12 +275,12 @@ def round_profiled_runs(presets: tuple[str, ...], steps: int) -> tuple[dict, tup
             return Simulation(dataclasses.replace(cfg, seed=seed)).run()
         return run
 
+    runs.update({f"rounds:measured_{p}": measured_run(p, which) for p in presets})
     for own_round, prefix, label in ((True, "rounds", "served decode of its round"),
                                      (False, "rounds_served", "served decode")):
         label = f", {label} (profiled rounds)"
         for p in presets:
             runs[f"{prefix}:{p}"] = simulated(p, own_round)
-            runs[f"rounds:measured_{p}"] = measured_run(p, which)
             claims += (Claim(name=f"{p}, absolute{label}", system=f"{prefix}:{p}",
                              baseline=f"rounds:measured_{p}", paper=1.0,
                              metric="trained_tokens_per_s", tolerance=TOLERANCE),)

@@ -94,11 +94,12 @@ def extract(root: Path, log=print) -> dict:
     profiles = {int(path.stem.split("=")[1]): json.loads(path.read_text())
                 for path in sorted((root / DECODE_PROFILES).glob("seed=*.json"))}
     if profiles:
-        missing = sorted(set(rounds(data)) - set(profiles))
+        measured = rounds(data)
+        missing = sorted(set(measured) - set(profiles))
         if missing:
             raise ValueError(f"{root / DECODE_PROFILES}: no profile for rounds {missing}")
-        data["decode"] = {str(r): {k: v[k] for k in PROFILE_KEYS if k in v}
-                          for r, v in sorted(profiles.items()) if r in rounds(data)}
+        data["decode"] = {str(r): {k: profiles[r][k] for k in PROFILE_KEYS if k in profiles[r]}
+                          for r in measured}
     return data
 
 
