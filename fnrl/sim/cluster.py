@@ -46,9 +46,9 @@ class Simulation:
     `timeline` and `consumed_log` hold what the run directory is written from."""
 
     def __init__(self, cfg: SimConfig, *, writer=None, table: dict | None = None):
-        self.cfg, self.writer = cfg, writer
+        self.cfg, self.writer, self.table = cfg, writer, table
         self.lay = layout(cfg, table)
-        self.plan = plan_for(cfg, self.lay.decode)
+        self.plan = plan_for(cfg, self.lay.decode, table)
         self.eta = self.plan.cycle.staleness.eta
         self.trajs = Trajectories()
         self.inst = [Instance(r, m.decode, self.trajs, kv_capacity=m.kv_capacity,
@@ -379,7 +379,7 @@ class Simulation:
             self.dirty_inst.add(r)
         self.up[new.rids] = True
         self.mode = new
-        self.plan = plan_for(self.cfg, new.decode)   # routing's cost model: the new mode's
+        self.plan = plan_for(self.cfg, new.decode, self.table)   # "engine": the new mode's
 
     def _continues(self, rid: int, tid: int) -> None:
         """Counts a placement that continues streamed tokens when its request starts, as

@@ -182,6 +182,13 @@ class SimConfig:
     enable: tuple[str, ...] = ()
     """Mechanisms switched on over the preset (any of ENABLES), e.g. OrchestrRL's
     coordinator is `one_step` with "balance"."""
+    coord_cost: str = "engine"
+    """The decode cost model the coordinator plans with (its `coord.cost`: routing's and
+    lazy sync's estimates), apart from the cost the engines pay (`cluster.decode`):
+    "engine" (the engines' own, as a real job given their profile with
+    `--coord.cost-file`), "default" (fnrl.config.CostModel's defaults, StaleFlow's
+    Table 4, as a real job given no cost file), a [decode.NAME] of costs.toml, or the
+    path of a JSON written by `python -m fnrl.experiments.profile_cost`."""
     cycle_s: float = 1.0
     """Least virtual time between two decision cycles; a cycle runs when something landed
     (a trajectory finished, a pull, a step) or commands were issued. The loop's own tick
@@ -210,4 +217,6 @@ class SimConfig:
         for name in self.enable:
             check(name in ENABLES and name not in self.ablate, "SimConfig", "enable",
                   self.enable, f"must be among {ENABLES} and not ablated")
+        check(bool(self.coord_cost), "SimConfig", "coord_cost", self.coord_cost,
+              "must be 'engine', 'default', a [decode.NAME] of costs.toml or a cost file")
         check(self.timeline_dt_s > 0, "SimConfig", "timeline_dt_s", self.timeline_dt_s, "must be > 0")

@@ -1,11 +1,13 @@
 """The preset's coordinator as the simulator runs it: the real job's preset
-(fnrl.experiments.presets) with the engine's cost model, and the mechanisms a
-`SimConfig` switches off (`ablate`) or on (`enable`)."""
+(fnrl.experiments.presets) with the cost model `SimConfig.coord_cost` names, and the
+mechanisms a `SimConfig` switches off (`ablate`) or on (`enable`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
+from fnrl.config import CostModel
 from fnrl.experiments.presets import apply_preset
 from fnrl.policy import schedule
 from fnrl.sim import costs
@@ -46,11 +48,28 @@ def _switch(coord, name: str, on: bool):
     raise ValueError(f"unknown mechanism {name!r}")
 
 
-def plan_for(cfg: SimConfig, decode: costs.DecodeCosts) -> schedule.SchedulePlan:
-    """The preset's coordinator, with the engine's cost model (as the real job loads the
-    profiled one into `coord.cost`)."""
+def coord_cost(spec: str, decode: costs.DecodeCosts, table: dict | None = None) -> CostModel:
+    """The cost model `SimConfig.coord_cost` names, `decode` being the engines' own."""
+    if spec == "engine":
+        return decode.cost
+    if spec == "default":
+        return CostModel()
+    table = table or costs.load_table()
+    if spec in table.get("decode", {}):
+        return costs.named_decode(spec, table)
+    if not Path(spec).is_file():
+        raise ValueError(f"invalid config coord_cost={spec!r}: must be 'engine', 'default', "
+                         f"one of {sorted(table.get('decode', {}))} (fnrl/sim/costs.toml) or "
+                         "an existing cost file (python -m fnrl.experiments.profile_cost)")
+    return costs.load_profiled(spec).cost
+
+
+def plan_for(cfg: SimConfig, decode: costs.DecodeCosts,
+             table: dict | None = None) -> schedule.SchedulePlan:
+    """The preset's coordinator, with the cost model `cfg.coord_cost` names (by default
+    the engine's, as the real job loads its profile into `coord.cost`)."""
     run = apply_preset(cfg.preset)
-    coord = dataclasses.replace(run.coord, cost=decode.cost,
+    coord = dataclasses.replace(run.coord, cost=coord_cost(cfg.coord_cost, decode, table),
                                 **({"eta": cfg.eta} if cfg.eta >= 0 else {}))
     for name, on in [*((n, True) for n in cfg.enable), *((n, False) for n in cfg.ablate)]:
         coord = _switch(coord, name, on)

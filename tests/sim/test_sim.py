@@ -51,6 +51,30 @@ def test_tiny_cluster_schedule_by_hand():
     assert summary["traj_latency_max_s"] == pytest.approx(4.3)
 
 
+def test_the_coordinator_plans_with_the_cost_model_it_is_given(tmp_path):
+    """`coord_cost` sets what the coordinator's routing and lazy sync estimate with, and
+    leaves the decode the engines pay alone (the real job's `coord.cost` is whatever
+    `--coord.cost-file` loaded, or the defaults without one)."""
+    engine = CostModel(k1=0.0, k2=0.0, k3=0.0, k4=1.0, k5=1.0)   # TOY's "toy" decode
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"k1": 1e-6, "k2": 2e-3, "k3": 3e-4, "k4": 4e-3, "k5": 1.0}))
+    for spec, planned in (("engine", engine), ("default", CostModel()), ("toy", engine),
+                          (str(profile), CostModel(k1=1e-6, k2=2e-3, k3=3e-4, k4=4e-3))):
+        sim = Simulation(toy_cfg("staleflow", coord_cost=spec), table=TOY)
+        assert sim.plan.cycle.cost == planned, spec
+        assert sim.inst[0].decode.cost == engine, spec
+    # Sync's by-hand schedule (above) stands on another plan: the engines set the times.
+    planned = Simulation(toy_cfg(coord_cost=str(profile)), table=TOY)
+    planned.run()
+    assert [r["wall_s"] for r in planned.step_records] == pytest.approx([5.0, 10.5])
+    for bad in ("nonesuch", str(tmp_path / "missing.json")):
+        with pytest.raises(ValueError, match=r"coord_cost=.*must be 'engine', 'default', one "
+                                             r"of \['toy'\]"):
+            Simulation(toy_cfg(coord_cost=bad), table=TOY)
+    with pytest.raises(ValueError, match="coord_cost"):
+        toy_cfg(coord_cost="")
+
+
 def test_tiny_cluster_one_step_overlaps_by_hand():
     """Same cluster, η = 1 (one_step: pull only when idle). Groups 2, 3 are admitted on
     version 0 into buffer 1 at t=0, so all eight trajectories prefill at t=0 (1.6 s),

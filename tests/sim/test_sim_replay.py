@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fnrl.config import CostModel
 from fnrl.sim import costs
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.repro import reproduce
@@ -241,6 +242,24 @@ def test_replay_inputs_from_the_measured_runs():
         statistics.median(replay_data.ratios_to(data, "fnrl")), 2)
 
 
+def test_the_replayed_coordinator_plans_as_the_benchmark_s_did(monkeypatch):
+    """The benchmark's cells name no cost file, so their coordinator planned with
+    CostModel's defaults, whatever the servers' decode; the replay's does the same."""
+    runs = replay.setup(quick=True).runs
+    sims = {k: r for k, r in runs.items() if not callable(r)}
+    assert {"fnrl", "fnrl_served", "threads:fnrl@1thread"} <= set(sims)
+    for key, cfg in sims.items():
+        assert costs.load_profiled(cfg.coord_cost).cost == CostModel(), key
+    assert costs.load_profiled(sims["fnrl_served"].cluster.decode).cost != CostModel()
+    data = replay_data.load()
+    cells = dict(data["cells"])
+    cells["sync/x"] = {**cells[next(k for k in cells if k.startswith("sync/"))],
+                       "coord_cost": {**dataclasses.asdict(CostModel()), "k4": 1.0}}
+    monkeypatch.setattr(replay, "measured", lambda which="presets": {**data, "cells": cells})
+    with pytest.raises(ValueError, match="sync's cells hold 2 coordinator cost models"):
+        replay.coord_cost_file("sync")
+
+
 def test_the_trainer_threads_runs_take_their_own_sync():
     data = replay_data.load(replay_data.THREADS_MEASURED)
     keys = {c["preset"] for c in data["cells"].values()}
@@ -268,7 +287,9 @@ def test_recorded_workload_says_what_is_wrong():
 def test_replay_data_reads_a_run_directory(tmp_path):
     run = tmp_path / "preset=sync__seed=4"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"preset": "sync", "seed": 4, "steps": 2}))
+    cost = {"k1": 1e-7, "k2": 2e-3, "k3": 1e-4, "k4": 1e-2, "k5": 1.0}
+    (run / "config.json").write_text(json.dumps({"preset": "sync", "seed": 4, "steps": 2,
+                                                 "coord": {"cost": cost, "cost_file": ""}}))
     (run / "summary.json").write_text(json.dumps({
         "trained_tokens_per_s": 10.0, "rl_wall_s": 2.0, "trained_tokens": 7,
         "trainer_idle_frac": 0.5, "rollout_idle_frac": 0.4, "interrupted": 0,
@@ -297,6 +318,7 @@ def test_replay_data_reads_a_run_directory(tmp_path):
     assert cell["groups"] == {"0": [3, 0], "1": [3, 1]}
     assert cell["prompt_len"] == {"0": 1, "1": 3}
     assert cell["batch_length"] == [64, 64]
+    assert cell["coord_cost"] == cost
     # Bucket 64: a first call of 0.5 s, then a steady one of 0.75 s (the first is never
     # taken as cheaper than the steady).
     (bucket,) = replay_data.bucket_calls(data, "sync")

@@ -29,6 +29,11 @@ real runs comes from there:
   rows): the same fit with the benchmark's two servers generating side by side, each on
   its own batch, at the job's server settings (SERVED, `profile_cost --servers 2`): the
   decode as the job's servers run it on this host, nothing from the benchmark either.
+- The coordinator's cost model: the one each cell's coordinator planned with (the
+  record's `coord_cost`; the benchmark names no cost file, so fnrl.config.CostModel's
+  defaults, StaleFlow's Table 4), not the decode the simulated servers pay
+  (`SimConfig.coord_cost`): routing and lazy sync decide on the estimates the real
+  loop had.
 - Cores: the trainer and both servers share the machine's 2 cores thread by thread
   (`cluster.shared_cores`, `cluster.trainer_threads`): the servers run one OpenMP
   thread each (fnrl.serving.server), the trainer one per allowed CPU
@@ -54,6 +59,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from fnrl.config import CostModel
 from fnrl.sim import costs
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.repro import Claim, Setup, register, replay_data
@@ -164,6 +170,31 @@ def round_cost_file(seed: int, which: str = "profiled") -> str:
     return _cost_file(f"decode_{which}_round{r}", data["decode"][str(r)])
 
 
+def coord_cost_file(preset: str, which: str = "presets") -> str:
+    """The cost model `preset`'s coordinator planned with in the record `which` (its
+    cells' `coord_cost`: the benchmark gives it no cost file, so fnrl.config.CostModel's
+    defaults), as a cost file: the simulated coordinator's `coord_cost`, apart from the
+    decode the simulated servers pay."""
+    data = measured(which)
+    found = {json.dumps(c.get("coord_cost"), sort_keys=True) for c in data["cells"].values()
+             if c["preset"] == preset}
+    if len(found) != 1 or "null" in found:
+        raise ValueError(f"{RECORDS[which].name}: {preset}'s cells hold {len(found)} coordinator "
+                         f"cost models {sorted(found)}, not one (run replay_data again on its "
+                         "run directories)")
+    return _cost_file(f"coord_{which}_{preset}", {
+        **json.loads(found.pop()), "source": f"coord.cost of {preset} in {data['source']}"})
+
+
+def coord_line(which: str = "presets") -> str:
+    """What the simulated coordinator plans with, for the assumptions."""
+    cost = costs.load_profiled(coord_cost_file("sync", which)).cost
+    named = " (fnrl.config.CostModel's defaults)" if cost == CostModel() else ""
+    return ("each preset's coordinator plans with the cost model its cells' did (sync's here), "
+            "whatever "
+            f"the servers' decode: {cost}{named}")
+
+
 def _cost_file(name: str, data: dict) -> str:
     path = Path(tempfile.gettempdir()) / "fnrl-sim-replay" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,11 +262,14 @@ def host(which: str, sync: str, threads: int, *, corun: bool = False,
                        trainer_threads=threads, corun=str(CORUN) if corun else "")
 
 
-def sim_config(preset: str, cluster: ClusterSpec, workload: WorkloadSpec, steps: int) -> SimConfig:
-    """The benchmark's job on the simulator: one trainer and SERVERS rollouts, the loop's
-    own ticks."""
-    return SimConfig(preset=preset, gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
-                     loop_ticks=True, cluster=cluster, workload=workload, plots=False)
+def sim_config(key: str, cluster: ClusterSpec, steps: int,
+               which: str = "presets") -> SimConfig:
+    """The record's cell `key` (a preset, or "PRESET@Nthread") as a job on the simulator:
+    one trainer and SERVERS rollouts, the loop's own ticks, its recorded lengths and its
+    coordinator's cost model."""
+    return SimConfig(preset=key.split("@")[0], gpus=1 + SERVERS, steps=steps, cycle_s=TICK_S,
+                     loop_ticks=True, cluster=cluster, workload=workload(key, which),
+                     coord_cost=coord_cost_file(key, which), plots=False)
 
 
 def threads_runs(steps: int) -> tuple[dict, tuple]:
@@ -249,7 +283,7 @@ def threads_runs(steps: int) -> tuple[dict, tuple]:
                             ("sync", 1), ("fnrl", 1)):
         key = preset if threads == TRAINER_THREADS else f"{preset}@1thread"
         cluster = host(which, "sync" if threads == TRAINER_THREADS else "sync@1thread", threads)
-        runs[f"threads:{key}"] = sim_config(preset, cluster, workload(key, which), steps)
+        runs[f"threads:{key}"] = sim_config(key, cluster, steps, which)
         runs[f"threads:measured_{key}"] = measured_run(key, which)
         if key != "sync":
             claims += (Claim(name=f"{key} × sync (trainer threads run)", system=f"threads:{key}",
@@ -271,7 +305,7 @@ def round_profiled_runs(presets: tuple[str, ...], steps: int) -> tuple[dict, tup
         def run(seed: int) -> dict:
             decode = round_cost_file(seed, which) if own_round else "served"
             cluster = host(which, "sync", TRAINER_THREADS, decode=decode)
-            cfg = sim_config(preset, cluster, workload(preset, which), steps)
+            cfg = sim_config(preset, cluster, steps, which)
             return Simulation(dataclasses.replace(cfg, seed=seed)).run()
         return run
 
@@ -318,7 +352,7 @@ def setup(quick: bool = False) -> Setup:
     for suffix, (options, change, label, _) in VARIANTS.items():
         cluster = dataclasses.replace(host("presets", "sync", TRAINER_THREADS, **options),
                                       **change)
-        runs.update({f"{p}{suffix}": sim_config(p, cluster, workload(p), steps) for p in presets})
+        runs.update({f"{p}{suffix}": sim_config(p, cluster, steps) for p in presets})
         claims += tuple(Claim(name=f"{p} × sync{label}", system=f"{p}{suffix}",
                               baseline=f"sync{suffix}", paper=measured_ratio(p), metric=metric,
                               tolerance=TOLERANCE) for p in presets if p != "sync")
@@ -352,6 +386,7 @@ def setup(quick: bool = False) -> Setup:
             f"decode: a flat {decode_step_s() * 1e3:.2f} ms a step, whatever the batch "
             "(k1 = k3 = 0), from sync's generation time per step over its mean longest "
             f"response ({sync_longest():.0f} tokens); calibrates sync's absolute figure",
+            coord_line(),
             f"pull {pull_s() * 1e3:.0f} ms (sync's, measured); prompts {prompt_len()} tokens "
             "(the measured median); prefill and per-request costs 0; KV never binding",
             f"{CORES} shared cores, thread by thread (cluster.shared_cores, trainer_threads "

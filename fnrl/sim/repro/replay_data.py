@@ -16,6 +16,8 @@ what it is compared with, all read from the run's own logs:
 - `pull_s`: the run's pull time over its pulls;
 - `groups`: each consumed group's response lengths in tokens, by group index (the
   problem's `train-N`), and `prompt_len` per group (trajectories.jsonl).
+- `coord_cost`: the decode cost model its coordinator planned with (config.json's
+  `coord.cost`: the defaults, or the profile `--coord.cost-file` loaded).
 
 With `benchmarks/presets.py --profile-decode` each round's decode profile
 (RUN_ROOT/decode_profiles/seed=S.json, profile_cost's JSON) is kept too, under `decode`.
@@ -39,7 +41,8 @@ THREADS_MEASURED = Path(__file__).resolve().parent / "trainer_threads_measured.j
 # benchmarks/presets.py --profile-decode: rounds each after a profile of its servers
 PRESETS_PROFILED = Path(__file__).resolve().parent / "presets_profiled_measured.json"
 DECODE_PROFILES = "decode_profiles"   # RUN_ROOT/decode_profiles/seed=S.json, one a round
-PROFILE_KEYS = ("k1", "k2", "k3", "k4", "k5", "per_request_s", "prefill_s_per_token",
+COST_KEYS = ("k1", "k2", "k3", "k4", "k5")
+PROFILE_KEYS = (*COST_KEYS, "per_request_s", "prefill_s_per_token",
                 "engine", "fit", "heldout")
 
 
@@ -74,6 +77,7 @@ def cell_record(run_dir: Path) -> dict:
         "pull_s": last["time/pull_s"] / max(last["pulls"], 1),
         "groups": {str(k): groups[k] for k in sorted(groups)},
         "prompt_len": {str(k): prompts[k] for k in sorted(prompts)},
+        "coord_cost": {k: config["coord"]["cost"][k] for k in COST_KEYS},
     }
 
 
