@@ -365,6 +365,7 @@ def test_replay_quick_runs(tmp_path):
                          "fnrl × sync, served decode of its round (profiled rounds)",
                          "sync, absolute, served decode (profiled rounds)",
                          "fnrl, absolute, served decode (profiled rounds)",
+                         "fnrl × sync, served decode (profiled rounds)",
                          "fnrl × sync (trainer threads run)",
                          "sync@1thread × sync (trainer threads run)",
                          "fnrl@1thread × sync (trainer threads run)"}
@@ -381,7 +382,7 @@ def test_replay_quick_runs(tmp_path):
     assert s["sync"]["trained_tokens_per_s"] == pytest.approx(s["sync_own_cores"]["trained_tokens_per_s"])
     assert s["fnrl"]["trained_tokens_per_s"] < s["fnrl_own_cores"]["trained_tokens_per_s"]
     out = json.loads(Path(tmp_path / "replay" / "repro.json").read_text())
-    assert len(out["rows"]) == 30
+    assert len(out["rows"]) == 31
     assert s["sync_profiled_load"]["trained_tokens_per_s"] < s["sync_profiled"]["trained_tokens_per_s"]
     # The derived and served decodes are one of sync's two servers side by side (the
     # served one from the committed two-server profile). With the co-run table a server

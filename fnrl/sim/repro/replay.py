@@ -318,7 +318,7 @@ def round_profiled_runs(presets: tuple[str, ...], steps: int) -> tuple[dict, tup
             claims += (Claim(name=f"{p}, absolute{label}", system=f"{prefix}:{p}",
                              baseline=f"rounds:measured_{p}", paper=1.0,
                              metric="trained_tokens_per_s", tolerance=TOLERANCE),)
-            if p != "sync" and own_round:
+            if p != "sync":
                 claims += (Claim(name=f"{p} × sync{label}", system=f"{prefix}:{p}",
                                  baseline=f"{prefix}:sync", paper=measured_ratio(p, which),
                                  metric="trained_tokens_per_s", tolerance=TOLERANCE),)
