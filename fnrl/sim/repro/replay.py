@@ -190,9 +190,8 @@ def coord_line(which: str = "presets") -> str:
     """What the simulated coordinator plans with, for the assumptions."""
     cost = costs.load_profiled(coord_cost_file("sync", which)).cost
     named = " (fnrl.config.CostModel's defaults)" if cost == CostModel() else ""
-    return ("each preset's coordinator plans with the cost model its cells' did (sync's here), "
-            "whatever "
-            f"the servers' decode: {cost}{named}")
+    return ("each preset's coordinator plans with the cost model its cells' did, whatever "
+            f"the servers' decode (sync's: {cost}{named})")
 
 
 def _cost_file(name: str, data: dict) -> str:
