@@ -67,8 +67,7 @@ class Simulation:
         self.book = Book(trainer_version=0, steps_done=0)
         self.state = schedule.init_schedule(self.plan, [0] * self.lay.rollouts, v_train=0, steps_done=0)
         self.heap: list = []
-        self.seq = 0
-        self.now = 0.0
+        self.seq, self.now = 0, 0.0
         self.published = {0: 0.0}             # version -> when the master relay had it
         self.group_left: list[int] = []       # unfinished members per gid
         self.group_done_s: list[float] = []   # when each gid's last member finished
@@ -379,7 +378,8 @@ class Simulation:
             self.dirty_inst.add(r)
         self.up[new.rids] = True
         self.mode = new
-        self.plan = plan_for(self.cfg, new.decode, self.table)   # "engine": the new mode's
+        if self.cfg.coord_cost == "engine":   # the coordinator plans on the new mode's decode
+            self.plan = plan_for(self.cfg, new.decode, self.table)
 
     def _continues(self, rid: int, tid: int) -> None:
         """Counts a placement that continues streamed tokens when its request starts, as

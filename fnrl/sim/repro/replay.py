@@ -170,11 +170,10 @@ def round_cost_file(seed: int, which: str = "profiled") -> str:
     return _cost_file(f"decode_{which}_round{r}", data["decode"][str(r)])
 
 
-def coord_cost_file(preset: str, which: str = "presets") -> str:
-    """The cost model `preset`'s coordinator planned with in the record `which` (its
-    cells' `coord_cost`: the benchmark gives it no cost file, so fnrl.config.CostModel's
-    defaults), as a cost file: the simulated coordinator's `coord_cost`, apart from the
-    decode the simulated servers pay."""
+def recorded_coord_cost(preset: str, which: str = "presets") -> dict:
+    """The cost model (k1..k5) `preset`'s coordinator planned with in the record `which`:
+    its cells' `coord_cost` (the benchmark gives it no cost file, so fnrl.config.
+    CostModel's defaults)."""
     data = measured(which)
     found = {json.dumps(c.get("coord_cost"), sort_keys=True) for c in data["cells"].values()
              if c["preset"] == preset}
@@ -182,13 +181,20 @@ def coord_cost_file(preset: str, which: str = "presets") -> str:
         raise ValueError(f"{RECORDS[which].name}: {preset}'s cells hold {len(found)} coordinator "
                          f"cost models {sorted(found)}, not one (run replay_data again on its "
                          "run directories)")
+    return json.loads(found.pop())
+
+
+def coord_cost_file(preset: str, which: str = "presets") -> str:
+    """`recorded_coord_cost` as a cost file: the simulated coordinator's `coord_cost`,
+    apart from the decode the simulated servers pay."""
     return _cost_file(f"coord_{which}_{preset}", {
-        **json.loads(found.pop()), "source": f"coord.cost of {preset} in {data['source']}"})
+        **recorded_coord_cost(preset, which),
+        "source": f"coord.cost of {preset} in {measured(which)['source']}"})
 
 
 def coord_line(which: str = "presets") -> str:
     """What the simulated coordinator plans with, for the assumptions."""
-    cost = costs.load_profiled(coord_cost_file("sync", which)).cost
+    cost = CostModel(**recorded_coord_cost("sync", which))
     named = " (fnrl.config.CostModel's defaults)" if cost == CostModel() else ""
     return ("each preset's coordinator plans with the cost model its cells' did, whatever "
             f"the servers' decode (sync's: {cost}{named})")
