@@ -134,10 +134,17 @@ def fit_cost_model(runs: list[Measurement], *, max_batch: int | None = None) -> 
         x = np.stack([step_features(m, c) for m in runs])
         coef = _nonnegative_lstsq(x * w[:, None], y * w)
         err = float((np.abs(x @ coef - y) * w).mean())
-        if best is None or err < best[2]:
+        # A decode step must cost something (k4, or k3 and k2 = c·k3): a fit that puts
+        # (all but rounding of) every second elsewhere, on KV tokens, overhead, requests
+        # or prefill, is not a model.
+        stepped = float((x[:, 1:3] @ coef[1:3]).sum()) > 1e-6 * float(y.sum())
+        if stepped and (best is None or err < best[2]):
             best = (c, coef, err)
+    if best is None:
+        raise ValueError(f"no fit of these {len(runs)} runs has a per-step decode cost (every "
+                         "wall time went to KV tokens, overhead, requests or prefill): measure "
+                         "longer responses, or more repeats of each batch")
     c, (k1, k4, k3, c0, c_req, c_pre), _ = best
-    # k3 = 0 means no per-sequence cost was seen; the model still needs k2+k3+k4 > 0.
     cost = CostModel(k1=float(k1), k2=float(k3 * c), k3=float(k3), k4=float(k4), k5=1.0)
     return RunCostFit(cost=cost, overhead_s=float(c0), per_request_s=float(c_req),
                       prefill_s_per_token=float(c_pre))

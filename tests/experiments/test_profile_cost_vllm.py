@@ -62,7 +62,7 @@ def test_recorded_batches_on_two_servers(tiny_model_dir, tmp_path):
     run_dir.mkdir()
     groups = [{"trajectories": [{"prompt_ids": prompt, "token_ids": [[5] * int(n)],
                                  "segments": [[0, int(n)]]}
-                                for n in rng.integers(2, 20, size=2)]}
+                                for n in rng.integers(6, 26, size=2)]}
               for prompt in rng.integers(3, 60, size=(16, 6)).tolist()]
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
     out = tmp_path / "served.json"

@@ -89,3 +89,13 @@ def test_nonnegative_lstsq_drops_negative_columns():
 def test_fit_needs_enough_runs():
     with pytest.raises(ValueError, match="at least 12"):
         fit_cost_model([Measurement(1, (1,), 0.1)])
+
+
+def test_a_fit_without_a_step_cost_is_named():
+    """Runs whose wall time is all per-request (no decode step costs anything) leave no
+    model to fit: the error says so, rather than CostModel's k2+k3+k4 check."""
+    rng = np.random.default_rng(0)
+    runs = [Measurement(int(p), tuple(int(n) for n in rng.integers(1, 30, size=b)), 0.01 * b)
+            for p, b in zip(rng.integers(4, 40, size=16), rng.integers(1, 9, size=16))]
+    with pytest.raises(ValueError, match="no fit of these 16 runs has a per-step decode cost"):
+        fit_cost_model(runs)
