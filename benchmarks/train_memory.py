@@ -45,7 +45,8 @@ def measure(options: dict, *, layers: int, rows: int, length: int, dtype: str,
     trainer = _trainer(options, rows, dtype)
     cmd = [sys.executable, "-m", "fnrl.trainer.peak", "--rows", str(rows), "--length",
            str(length), "--layers", str(layers), "--logprob-chunk", str(trainer.logprob_chunk),
-           "--compute-dtype", dtype, "--steps", "1"] + (["--remat"] if options["remat"] else [])
+           "--compute-dtype", dtype, "--steps", "1", "--remat",
+           "full" if options["remat"] else "none"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd[1:])} exited with {out.returncode}: "

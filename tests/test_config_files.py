@@ -80,7 +80,7 @@ def test_a_file_without_a_preset_starts_from_the_default_preset(tmp_path):
     ("steps: -1\n", "RunConfig.steps=-1"),
     ("coord.routing.mu: 2.0\n", "mu"),
     ("algo.loss_terms: [[ppo_clip]]\n", "algo.loss_terms[0]"),
-    ("trainer.remat: 1\n", "trainer.remat=1: expected true or false"),
+    ("trainer.remat: 1\n", "trainer.remat=1: expected one of 'auto', 'none', 'dots', 'full'"),
     ("task.answer_format: latex\n", "task.answer_format='latex': expected one of"),
     ("algo: 3\n", "algo is a section"),
     ("preset: nope\n", "RunConfig.preset='nope'"),

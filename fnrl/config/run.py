@@ -16,6 +16,9 @@ from fnrl.config.gates import GatesConfig
 from fnrl.config.relay import RelayConfig
 
 TRAIN_DTYPES = ("float32", "bfloat16")
+ATTENTION_KERNELS = ("xla", "cudnn")
+REMAT_POLICIES = ("none", "dots", "full")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 SERVE_DTYPES = ("float32", "bfloat16", "float16")
 
 # Head sizes vLLM's CPU attention backend accepts (vllm 0.32 cpu_attn.py); GPU backends
@@ -232,17 +235,32 @@ class TrainerConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """The trainer's processes on one global mesh (1 process by default)."""
-    logprob_chunk: int = 0
+    logprob_chunk: int = 2048
     """Tokens whose vocabulary logits exist at once when computing log-probs and entropy
-    (rows x positions per chunk; fnrl.trainer.logprobs); 0: all of a micro-batch's at
-    once (B x T x V floats: 5 GB for 8 x 1,024 tokens of a 151,936-token vocabulary)."""
+    (rows x positions per chunk; fnrl.trainer.logprobs, a fused chunked logsumexp with its
+    own backward); 0: all of a micro-batch's at once (B x T x V floats: 5 GB for 8 x 1,024
+    tokens of a 151,936-token vocabulary), kept for parity tests."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Master weights and Adam moments."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Activations and matmuls (log-probs are always accumulated in float32)."""
-    remat: bool = False
-    """Recompute each decoder layer's activations in the backward pass instead of
-    keeping them (about one layer's activations held instead of all of them)."""
+    """Master weights and Adam moments (float32: mixed precision keeps them there)."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Activations and matmuls; log-probs, softmax statistics and the loss are float32
+    whatever it is. auto: bfloat16 on GPU, float32 on CPU (fnrl.trainer.platform)."""
+    remat: Literal["auto", "none", "dots", "full"] = "auto"
+    """What each decoder layer keeps for the backward pass (fnrl.models.decoder
+    REMAT_POLICIES): none keeps every activation; dots keeps the weight matmuls' outputs
+    and the attention output and recomputes the elementwise work; full keeps only each
+    layer's input. auto: none on CPU; on GPU dots, or full when the memory plan of dots
+    does not fit the card. True/False (older configs) read as full/none."""
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    """Attention kernel (fnrl.models.attention): xla (einsum, any platform) or cudnn
+    (fused flash attention, GPU, bfloat16). auto: cudnn where it can run, else xla."""
+    matmul_precision: Literal["auto", "default", "high", "highest"] = "auto"
+    """jax.default_matmul_precision of the step. auto: highest for float32 compute (no
+    TF32 on GPU: float32 means float32 everywhere), default for bfloat16."""
+    pack_max_segments: int = 64
+    """Packed rows (pack_rows > 0) hold at most this many runs: sequences, and the
+    padding tail. The attention kernels are built for it (cuDNN's packed layout takes a
+    static number of segments per row)."""
     cpu_threads: int = 0
     """CPUs (and so XLA intra-op threads) the trainer process runs on; 0 = all allowed.
     On a host shared with vLLM servers, fewer threads than cores avoids waiting on
@@ -272,9 +290,19 @@ class TrainerConfig:
               f"must be a multiple of micro_batches={self.micro_batches}")
         check(self.logprob_chunk >= 0, name, "logprob_chunk", self.logprob_chunk,
               "must be >= 0 (0: unchunked)")
-        for dtype_field in ("param_dtype", "compute_dtype"):
-            check(getattr(self, dtype_field) in TRAIN_DTYPES, name, dtype_field,
-                  getattr(self, dtype_field), f"must be one of {TRAIN_DTYPES}")
+        check(self.param_dtype in TRAIN_DTYPES, name, "param_dtype", self.param_dtype,
+              f"must be one of {TRAIN_DTYPES}")
+        if isinstance(self.remat, bool):   # configs written before remat had policies
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        for field_name, allowed in (("compute_dtype", TRAIN_DTYPES), ("remat", REMAT_POLICIES),
+                                    ("attention", ATTENTION_KERNELS),
+                                    ("matmul_precision", MATMUL_PRECISIONS)):
+            value = getattr(self, field_name)
+            check(value in ("auto", *allowed), name, field_name, value,
+                  f"must be one of {('auto', *allowed)}")
+        check(type(self.pack_max_segments) is int and self.pack_max_segments >= 2, name,
+              "pack_max_segments", self.pack_max_segments,
+              "must be an int >= 2 (a sequence and a padding tail)")
         positive(self, "checkpoint_every", "checkpoint_keep")
         check(self.cpu_threads >= 0, name, "cpu_threads", self.cpu_threads,
               "must be >= 0 (0: every CPU the process may use)")
@@ -321,6 +349,12 @@ class RolloutConfig:
     """vLLM's --tensor-parallel-size: the GPUs each server (and the evaluation server)
     spans on its node. The Ray backend places each server on a node with that many free
     GPUs and makes it see just those; on a CPU cluster it reserves none."""
+    gpu_sleep: bool | None = None
+    """When the trainer and the servers share one GPU (the local backend on a machine with
+    one GPU; fnrl.policy.gpu_memory): None puts them side by side when that fits, else
+    has the servers sleep while the trainer steps (synchronous presets only); True always
+    time-shares; False never. Time-sharing is planned but not carried out yet: a job whose
+    plan needs it is refused at start (docs/gpu.md)."""
 
     def __post_init__(self):
         check(type(self.tensor_parallel_size) is int and self.tensor_parallel_size > 0,
@@ -336,6 +370,8 @@ class RolloutConfig:
               self.kv_capacity_tokens, "must be >= 0 (0: the server's own)")
         check(self.response_len in ("natural", "lognormal", "pareto"), "RolloutConfig",
               "response_len", self.response_len, "must be natural, lognormal or pareto")
+        check(self.gpu_sleep is None or type(self.gpu_sleep) is bool, "RolloutConfig",
+              "gpu_sleep", self.gpu_sleep, "must be true, false or null (decided by the plan)")
 
 
 @dataclass(frozen=True, kw_only=True)

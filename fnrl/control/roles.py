@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fnrl.config import RelayConfig, RunConfig, load_json
 from fnrl.config.distributed import split_host_port
+from fnrl.policy.gpu_memory import GpuSplit
 from fnrl.relay.client import RelayClient, RelayError
 from fnrl.relay.launch import relay_argv, remove_segments, wait_relay_ready
 from fnrl.relay.tier import RelayMember, RelayTier
@@ -78,6 +79,9 @@ class LocalLauncher:
 
     home_relays = None   # rollout i pulls from relay i % n (fnrl.relay.tier)
 
+    def __init__(self, gpu: GpuSplit | None = None):
+        self.gpu = gpu   # the one GPU's split between trainer and servers (None: not shared)
+
     def relay_count(self, configured: int) -> int:
         """How many relays the job starts: `relay.num_relays` on one host."""
         return configured
@@ -101,11 +105,27 @@ class LocalLauncher:
 
     def spawn(self, role: str, argv: list[str], log_path: Path, *,
               death_signal: int = signal.SIGKILL, relay: bool = False):
-        return procs.spawn(argv, log_path, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                           death_signal=death_signal)
+        return procs.spawn(argv, log_path, env=self.role_env(role), death_signal=death_signal)
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """A role's environment: ours, and a trainer's memory fraction on a shared GPU."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.gpu is not None and role.startswith("trainer"):   # its standby too
+            for name, value in self.gpu.trainer_env().items():
+                if value is None:
+                    env.pop(name, None)
+                else:
+                    env[name] = value
+        return env
+
+    def server_spec(self, role: str, spec: ServerSpec) -> ServerSpec:
+        """`spec` with the GPU split's vLLM flags for server `role` (as it is without one)."""
+        if self.gpu is None:
+            return spec
+        return dataclasses.replace(spec, extra_args=spec.extra_args + self.gpu.server_args(role))
 
     def launch_server(self, role: str, spec: ServerSpec, log_path: Path):
-        return launch_server(spec, log_path)
+        return launch_server(self.server_spec(role, spec), log_path)
 
     def check_memory(self, plan) -> None:
         """Nothing more: the job's plan was checked against this host before it started."""

@@ -55,9 +55,8 @@ def restore_weights(cfg: RunConfig, model_dir: Path, run_dir: Path, versions: li
                                    place_params, state_shardings)
 
     tc = cfg.trainer
-    model_cfg, _, host_params = load_pretrained(
-        model_dir, dtype=jnp.dtype(tc.compute_dtype), param_dtype=jnp.dtype(tc.param_dtype),
-        remat=tc.remat)
+    # Only the parameters are used (no forward pass): compute dtype and kernels do not matter.
+    model_cfg, _, host_params = load_pretrained(model_dir, param_dtype=jnp.dtype(tc.param_dtype))
     serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
     mesh = mesh_from_config(tc.mesh)
     param_sh = shardings_for(logical_axes(model_cfg), host_params, mesh)

@@ -44,7 +44,8 @@ from fnrl.control.book import TaskIO
 from fnrl.control.handles import Roles
 from fnrl.control.local import HttpEvalServer, HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
-from fnrl.control.memory import check_plan, plan_memory
+from fnrl.control.memory import (check_gpu_split, check_plan, jax_on_gpu, plan_local_gpu,
+                                 plan_memory, read_gpus)
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control.report import across_attempts
 from fnrl.control.roles import Cluster, LocalLauncher, Stopped
@@ -203,6 +204,20 @@ def check_memory_plan(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
         check_plan(plan, host.available_bytes)
 
 
+def gpu_plan(cfg: RunConfig, model_dir: Path, run_dir: Path):
+    """The split of the one GPU the trainer and the servers share (printed and written to
+    gpu_plan.txt), or None on a machine without one; raises ValueError naming every
+    figure, before any role starts, when they do not fit or would have to time-share."""
+    split = plan_local_gpu(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir),
+                           gpus=read_gpus(), kv_in_host=kv_in_host_memory(),
+                           trainer_on_gpu=jax_on_gpu())
+    if split is not None:
+        (run_dir / "gpu_plan.txt").write_text(split.table() + "\n")
+        print(split.table(), flush=True)
+    check_gpu_split(split)
+    return split
+
+
 def memory_plan(cfg: RunConfig, model_dir: Path, node_total_bytes: int):
     return plan_memory(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir),
                        kv_in_host=kv_in_host_memory(), node_total_bytes=node_total_bytes)
@@ -229,13 +244,15 @@ def run(cfg: RunConfig) -> dict:
     # under task.on_bad_row=error costs seconds, not a cluster start.
     task = load_task_io(cfg, model_dir, run_dir)
     check_memory_plan(cfg, model_dir, run_dir)
+    gpu = gpu_plan(cfg, model_dir, run_dir)
     restarts = 0
     while True:
         try:
             # Each attempt reads the prompt stream from its start; recovery skips what the
             # journal says was taken.
             summary = _run_once(cfg, model_dir, run_dir,
-                                dataclasses.replace(task, prompts=copy.deepcopy(task.prompts)))
+                                dataclasses.replace(task, prompts=copy.deepcopy(task.prompts)),
+                                gpu)
             break
         except JobRestart as err:
             restarts += 1
@@ -263,9 +280,10 @@ def server_specs(cfg: RunConfig, model_dir: Path) -> list[ServerSpec]:
             for rid in range(cfg.rollout.num_servers)]
 
 
-def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> dict:
+def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
+              gpu=None) -> dict:
     """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
-    launcher = make_launcher(cfg)
+    launcher = make_launcher(cfg, gpu)
     cluster = Cluster(run_dir, launcher)
     # SIGINT, SIGTERM, SIGHUP: every role stops at once, then Stopped unwinds the job.
     restore_signals = cluster.stop_on_signals()
@@ -291,10 +309,11 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO) -> d
         restore_signals()
 
 
-def make_launcher(cfg: RunConfig):
-    """Where the roles run (`cluster.backend`): child processes here, or Ray's nodes."""
+def make_launcher(cfg: RunConfig, gpu=None):
+    """Where the roles run (`cluster.backend`): child processes here (`gpu`: the split of
+    the one GPU they share, `gpu_plan`), or Ray's nodes."""
     if cfg.cluster.backend == "local":
-        return LocalLauncher()
+        return LocalLauncher(gpu=gpu)
     from fnrl.control.ray_cluster import RayLauncher   # Ray is imported only when used
     return RayLauncher(cfg.cluster, cfg.rollout.num_servers,
                        with_eval=cfg.eval.server == "dedicated",

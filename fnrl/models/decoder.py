@@ -28,19 +28,72 @@ accumulates in float32.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fnrl.models.attention import ATTENTION_OUT, KERNELS, attend, causal_mask
 from fnrl.models.families import FAMILIES, DecoderConfig, Llama3RopeScaling
 
-__all__ = ["ATTENTION_BLOCK", "FAMILIES", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
+__all__ = ["ATTENTION_BLOCK", "FAMILIES", "Kernels", "REMAT_POLICIES", "remat_policy_name", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
            "forward", "hidden_states", "init_model", "logical_axes", "vocab_kernel_VxE"]
 
 ATTENTION_BLOCK = 256
 """Query positions whose attention scores exist at once (per row and head): longer
 sequences are attended block by block, each block recomputed in the backward pass.
 Float32 scores of 8 x 1,024 tokens with 14 heads are 470 MB per copy, per layer."""
+
+
+REMAT_POLICIES = {
+    # Keep only each layer's input; recompute the whole layer in the backward pass.
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of the weight matmuls (q/k/v, o, gate/up, down: dots without
+    # batch dimensions) and the attention output: the backward pass recomputes only the
+    # elementwise work (norms, RoPE, SiLU), never a matmul or a fused attention kernel.
+    "dots": lambda: jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT)),
+}
+"""Remat policies by name (`jax.checkpoint_policies`); "none" keeps every activation."""
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    """The policy name of `remat`: "none", "dots" or "full" (True: "full", False: "none")."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat != "none" and remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {('none', *REMAT_POLICIES)}, got {remat!r}")
+    return remat
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """How the layers compute, not what: the attention kernel and its xla block, and
+    the most runs a packed row holds. Hashable, so it may sit in the graphdef."""
+
+    attention: str = "xla"
+    attention_block: int = 0
+    max_segments: int = 0
+
+    def __post_init__(self):
+        if self.attention not in KERNELS:
+            raise ValueError(f"attention must be one of {KERNELS}, got {self.attention!r}")
+        if self.attention_block < 0:
+            raise ValueError(f"attention_block must be >= 0 (0: unblocked), got "
+                             f"{self.attention_block}")
+        if self.max_segments < 0:
+            raise ValueError(f"max_segments must be >= 0 (0: no bound), got {self.max_segments}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMasks:
+    """What attention reads of the packing, built once per forward pass for all layers."""
+
+    mask_BxTxS: jax.Array | None
+    segment_ids_BxT: jax.Array | None
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
@@ -84,7 +137,7 @@ class Attention(nnx.Module):
     """Grouped-query attention; q/k/v biases (qwen2) or per-head q/k norms (qwen3)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 block: int = 0):
+                 kernels: Kernels):
         E, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         p = lambda init, shape, axes: _param(rngs, init, shape, axes, param_dtype)
         self.q_kernel = p(_normal, (E, H, D), ("embed", "heads", "head_dim"))
@@ -103,7 +156,8 @@ class Attention(nnx.Module):
         # A tuple, not an array: module attributes that are not Params must be hashable.
         self.inv_freq = tuple(float(f) for f in cfg.rope_inv_freq())
         self.dtype = dtype
-        self.block = int(block)
+        self.kernel, self.block = kernels.attention, kernels.attention_block
+        self.max_segments = kernels.max_segments
 
     def _project_qkv(self, x_BxTxE):
         """q, k and v from one 2-D matmul over (B·T, E) against the three kernels side
@@ -124,43 +178,17 @@ class Attention(nnx.Module):
         q, k, v = jnp.split(y_NxP, [H * D, (H + K) * D], axis=1)
         return q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
 
-    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS):
+    def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks):
         q_BxTxHxD, k_BxSxKxD, v_BxSxKxD = self._project_qkv(x_BxTxE)
         if self.q_norm is not None:  # Qwen3: normalise each head before rotating it
             q_BxTxHxD, k_BxSxKxD = self.q_norm(q_BxTxHxD), self.k_norm(k_BxSxKxD)
         inv_freq_F = jnp.asarray(self.inv_freq, jnp.float32)
         q_BxTxHxD = _rope(q_BxTxHxD, positions_BxT, inv_freq_F)
         k_BxSxKxD = _rope(k_BxSxKxD, positions_BxT, inv_freq_F)
-
-        # Query head h uses kv head h // G, as HF repeat_kv does; grouping avoids the copy.
-        B, T, H, D = q_BxTxHxD.shape
-        K = k_BxSxKxD.shape[2]
-        q_BxTxKxGxD = q_BxTxHxD.reshape(B, T, K, H // K, D)
-        block = self.block if 0 < self.block < T else T
-        outs = []
-        for start in range(0, T, block):
-            stop = min(start + block, T)
-            # Keys after a block's last query are masked (causal), so they are left out;
-            # checkpointed, a block's scores live only while its output or its gradient
-            # is being computed.
-            attend = jax.checkpoint(_attend) if block < T else _attend
-            outs.append(attend(q_BxTxKxGxD[:, start:stop], k_BxSxKxD[:, :stop],
-                               v_BxSxKxD[:, :stop], mask_BxTxS[:, start:stop, :stop]))
-        out_BxTxKxGxD = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-        return jnp.einsum("bthd,hde->bte", out_BxTxKxGxD.reshape(B, T, H, D),
-                          self.o_kernel[...].astype(self.dtype))
-
-
-def _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-    """Softmax attention of T queries over S keys, scores and softmax in float32."""
-    D = q_BxTxKxGxD.shape[-1]
-    scores_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
-                                  preferred_element_type=jnp.float32) * D**-0.5
-    # finfo.min instead of -inf: the diagonal is always visible, so no row is all-masked.
-    scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS,
-                                 jnp.finfo(jnp.float32).min)
-    probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(q_BxTxKxGxD.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs_BxKxGxTxS, v_BxSxKxD)
+        out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, kernel=self.kernel,
+                             mask_BxTxS=masks.mask_BxTxS, segment_ids_BxT=masks.segment_ids_BxT,
+                             max_segments=self.max_segments, block=self.block)
+        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_kernel[...].astype(self.dtype))
 
 
 class MLP(nnx.Module):
@@ -188,21 +216,22 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 attention_block: int = 0):
+                 kernels: Kernels):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.attn = Attention(cfg, **kw, block=attention_block)
+        self.attn = Attention(cfg, **kw, kernels=kernels)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, **kw)
 
-    def __call__(self, x_BxTxE, positions_BxT, mask_BxTxS):
-        x_BxTxE = x_BxTxE + self.attn(self.input_norm(x_BxTxE), positions_BxT, mask_BxTxS)
+    def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks):
+        x_BxTxE = x_BxTxE + self.attn(self.input_norm(x_BxTxE), positions_BxT, masks)
         return x_BxTxE + self.mlp(self.post_attn_norm(x_BxTxE))
 
 
-def _scan_layers_remat(layers, x_BxTxE, positions_BxT, mask_BxTxS):
+def _scan_layers_remat(layers, x_BxTxE, positions_BxT, masks: AttentionMasks, remat: str):
     """The layers in turn as one `lax.scan` over their parameters stacked (a copy made
-    inside jit; the param tree keeps one entry per layer), each layer rematerialised.
+    inside jit; the param tree keeps one entry per layer), each layer rematerialised by
+    the named policy (`REMAT_POLICIES`).
 
     A scan and not a Python loop of `jax.checkpoint`s: XLA's CPU scheduler moves an
     unrolled loop's recomputations into the forward pass, where they keep most of each
@@ -213,9 +242,9 @@ def _scan_layers_remat(layers, x_BxTxE, positions_BxT, mask_BxTxS):
     graphdef, _ = nnx.split(layers[0])
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(l)[1] for l in layers))
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat]())
     def apply(x_BxTxE, layer_state):
-        return nnx.merge(graphdef, layer_state)(x_BxTxE, positions_BxT, mask_BxTxS), None
+        return nnx.merge(graphdef, layer_state)(x_BxTxE, positions_BxT, masks), None
 
     return jax.lax.scan(apply, x_BxTxE, stacked)[0]
 
@@ -224,27 +253,32 @@ class Decoder(nnx.Module):
     """Causal LM of any family in `FAMILIES`. Holds only `nnx.Param`s, so
     `nnx.split(model)` yields (graphdef, params).
 
-    `dtype` is the compute dtype, `param_dtype` the storage dtype; `remat` recomputes
-    each decoder layer in the backward pass instead of keeping its activations (the
-    layers then run as one scan); rows longer than `attention_block` positions are
-    attended that many queries at a time (0: all at once), with the same results.
+    `dtype` is the compute dtype, `param_dtype` the storage dtype. `remat` names what each
+    decoder layer keeps for the backward pass (`REMAT_POLICIES`; True is "full", False
+    "none"): with a policy the layers run as one scan. `attention` names the kernel
+    (fnrl.models.attention); the xla kernel attends rows longer than `attention_block`
+    positions that many queries at a time (0: all at once), with the same results;
+    packed rows hold at most `max_segments` runs (sequences and a padding tail; 0: no
+    bound, as many as positions).
     """
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, remat: bool = False,
-                 attention_block: int = ATTENTION_BLOCK):
-        if attention_block < 0:
-            raise ValueError(f"attention_block must be >= 0 (0: unblocked), got {attention_block}")
+                 param_dtype=jnp.float32, remat: bool | str = "none",
+                 attention: str = "xla", attention_block: int = ATTENTION_BLOCK,
+                 max_segments: int = 0):
+        kernels = Kernels(attention=attention, attention_block=attention_block,
+                          max_segments=max_segments)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embedding = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size),
                                 ("vocab", "embed"), param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, **kw, attention_block=attention_block)
+        self.layers = nnx.List([DecoderLayer(cfg, **kw, kernels=kernels)
                                 for _ in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
             rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
         self.dtype = dtype
-        self.remat = bool(remat)
+        self.remat = remat_policy_name(remat)
+        self.kernels = kernels
 
     def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
         """Final-normed hidden states B×T×E in the compute dtype, for callers that chunk
@@ -252,17 +286,19 @@ class Decoder(nnx.Module):
         B, T = tokens_BxT.shape
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        mask_BxTxS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), dtype=bool)), (B, T, T))
-        if segment_ids_BxT is not None:
-            # Packing: attend only within the same segment (padding id 0 sees only padding).
-            mask_BxTxS = mask_BxTxS & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+        # Packing: attend only within a sequence's run (the padding tail sees only itself).
+        # The xla kernel's mask is built once here for every layer; cudnn takes the ids.
+        mask_BxTxS = None
+        if self.kernels.attention == "xla":
+            mask_BxTxS = causal_mask(B, T, segment_ids_BxT, self.kernels.max_segments)
+        masks = AttentionMasks(mask_BxTxS=mask_BxTxS, segment_ids_BxT=segment_ids_BxT)
         # Gather the rows, then cast: casting the whole V×E table first would copy it.
         x_BxTxE = self.embedding[...][tokens_BxT].astype(self.dtype)
-        if self.remat:
-            x_BxTxE = _scan_layers_remat(self.layers, x_BxTxE, positions_BxT, mask_BxTxS)
+        if self.remat != "none":
+            x_BxTxE = _scan_layers_remat(self.layers, x_BxTxE, positions_BxT, masks, self.remat)
         else:
             for layer in self.layers:
-                x_BxTxE = layer(x_BxTxE, positions_BxT, mask_BxTxS)
+                x_BxTxE = layer(x_BxTxE, positions_BxT, masks)
         return self.final_norm(x_BxTxE)
 
     def vocab_kernel_VxE(self) -> jax.Array:
@@ -299,24 +335,23 @@ def vocab_kernel_VxE(graphdef: nnx.GraphDef, params):
 
 
 def init_model(cfg: DecoderConfig, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: bool = False, attention_block: int = ATTENTION_BLOCK):
-    """Randomly initialised model as (graphdef, params) with params a pure dict of jax arrays."""
-    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, remat=remat,
-                    attention_block=attention_block)
+               **kernels):
+    """Randomly initialised model as (graphdef, params) with params a pure dict of jax
+    arrays; `kernels` are Decoder's remat, attention, attention_block and max_segments."""
+    model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, **kernels)
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
 
 
 def abstract_model(cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                   remat: bool = False, attention_block: int = ATTENTION_BLOCK):
+                   **kernels):
     """(graphdef, abstract param state) without allocating; state leaves keep their metadata.
 
     For sharded initialisation: `jax.jit(init, out_shardings=...)` over the shapes of
     `nnx.to_pure_dict(state)`.
     """
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                           param_dtype=param_dtype, remat=remat,
-                                           attention_block=attention_block))
+                                           param_dtype=param_dtype, **kernels))
     return nnx.split(model)
 
 

@@ -212,17 +212,18 @@ def read_config(model_dir: str | os.PathLike) -> DecoderConfig:
 
 
 def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
-                    param_dtype=jnp.float32, remat: bool = False
+                    param_dtype=jnp.float32, **kernels
                     ) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
     """Reads `config.json` and (possibly sharded) safetensors into (cfg, graphdef, params).
 
     `dtype`/`param_dtype` are the model's compute and storage dtypes (a bfloat16 file
-    loads into float32 params or bfloat16 ones); params are numpy, read one tensor at a
+    loads into float32 params or bfloat16 ones); `kernels` are the Decoder's remat,
+    attention, attention_block and max_segments. Params are numpy, read one tensor at a
     time, so peak memory is the params plus one tensor.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **kernels)
     params = hf_to_params(cfg, _lazy_tensors(model_dir), dtype=param_dtype)
     return cfg, graphdef, params
 

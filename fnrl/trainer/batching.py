@@ -95,16 +95,21 @@ def assign_micro_batches(group_sizes: Sequence[int], micro_batches: int) -> list
     return out
 
 
-def first_fit_decreasing(sizes: Sequence[int], num_bins: int, capacity: int) -> list[int] | None:
-    """Bin of each item, or None if they do not fit into num_bins of `capacity`."""
+def first_fit_decreasing(sizes: Sequence[int], num_bins: int, capacity: int,
+                         max_items: int = 0) -> list[int] | None:
+    """Bin of each item, or None if they do not fit into num_bins of `capacity` holding
+    at most `max_items` items each (0: any number)."""
     free = [capacity] * num_bins
+    count = [0] * num_bins
     out = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
-        b = next((b for b in range(num_bins) if free[b] >= sizes[i]), None)
+        b = next((b for b in range(num_bins) if free[b] >= sizes[i]
+                  and (not max_items or count[b] < max_items)), None)
         if b is None:
             return None
         out[i] = b
         free[b] -= sizes[i]
+        count[b] += 1
     return out
 
 
@@ -121,13 +126,17 @@ def _plan_unpacked(group_of: list[int], micro_of_group: list[int], micro_batches
 
 
 def _plan_packed(slots: list[int], group_of: list[int], micro_of_group: list[int],
-                 rows: int, micro_batches: int, length: int) -> list[tuple[int, int]] | None:
-    """(row, start) of each sequence packed into `rows` rows of `length`, or None."""
+                 rows: int, micro_batches: int, length: int, max_segments: int
+                 ) -> list[tuple[int, int]] | None:
+    """(row, start) of each sequence packed into `rows` rows of `length`, or None. A row
+    holds at most max_segments - 1 sequences: its padding tail is a run of its own for
+    the attention kernels (fnrl.models.attention)."""
     rows_per_micro = rows // micro_batches
     place: list[tuple[int, int] | None] = [None] * len(slots)
     for m in range(micro_batches):
         members = [i for i, g in enumerate(group_of) if micro_of_group[g] == m]
-        bins = first_fit_decreasing([slots[i] for i in members], rows_per_micro, length)
+        bins = first_fit_decreasing([slots[i] for i in members], rows_per_micro, length,
+                                    max_items=max_segments - 1)
         if bins is None:
             return None
         fill = [0] * rows_per_micro
@@ -162,13 +171,16 @@ def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer
         rows = trainer.pack_rows
         for length in [b for b in (trainer.length_buckets or default_buckets(seq_len))
                        if b >= longest]:
-            place = _plan_packed(slots, group_of, micro_of_group, rows, M, length)
+            place = _plan_packed(slots, group_of, micro_of_group, rows, M, length,
+                                 trainer.pack_max_segments)
             if place is not None:
                 break
         else:
             raise ValueError(f"{len(samples)} sequences ({sum(slots)} positions) do not fit "
                              f"{rows} rows of the length buckets "
-                             f"{trainer.length_buckets or default_buckets(seq_len)}")
+                             f"{trainer.length_buckets or default_buckets(seq_len)} at most "
+                             f"{trainer.pack_max_segments - 1} a row "
+                             f"(trainer.pack_max_segments={trainer.pack_max_segments})")
 
     arrays = _fill(samples, place, adv, rows, length, pad_id, packed=trainer.pack_rows > 0,
                    rewards=rewards)

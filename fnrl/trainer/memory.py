@@ -56,6 +56,7 @@ import numpy as np
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig, abstract_model
 from fnrl.trainer.logprobs import positions_per_chunk
+from fnrl.trainer.platform import resolve_trainer
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROCESS_BYTES = 2**30
@@ -131,19 +132,31 @@ class TrainerMemory:
                 + tuple((f"after step: {n}", b) for n, b in self.save))
 
 
-def activation_bytes_per_token_layer(model: DecoderConfig, length: int, compute: int) -> int:
+def activation_bytes_per_token_layer(model: DecoderConfig, length: int, compute: int,
+                                     attention: str = "xla") -> int:
     """Bytes one token keeps for the backward pass in one layer, without remat; the
-    T-wide attention scores only when the sequence is one attention block."""
+    T-wide attention scores only for the xla kernel when the sequence is one attention
+    block (the fused cudnn kernel keeps one float32 softmax statistic per head)."""
     E, I = model.hidden_size, model.intermediate_size
     H, K, D = model.num_attention_heads, model.num_key_value_heads, model.head_dim
     linear = (4 * E + 2 * (H + 2 * K) * D + H * D + MLP_COPIES * I) * compute + (H + K) * D * 4
-    if _blocked(length):
+    if attention == "cudnn":
+        return linear + H * 4
+    if _blocked(length, attention):
         return linear
     return linear + H * length * ATTENTION_F32_COPIES * 4
 
 
-def _blocked(length: int) -> bool:
-    return 0 < ATTENTION_BLOCK < length
+def saved_dots_bytes_per_token_layer(model: DecoderConfig, compute: int) -> int:
+    """Bytes one token keeps in one layer under remat "dots": the outputs of the weight
+    matmuls (q/k/v, o, gate/up, down) and the attention output, in the compute dtype."""
+    E, I = model.hidden_size, model.intermediate_size
+    H, K, D = model.num_attention_heads, model.num_key_value_heads, model.head_dim
+    return ((H + 2 * K) * D + H * D + E + 2 * I + E) * compute
+
+
+def _blocked(length: int, attention: str = "xla") -> bool:
+    return attention == "xla" and 0 < ATTENTION_BLOCK < length
 
 
 def layer_param_count(model: DecoderConfig) -> int:
@@ -153,21 +166,31 @@ def layer_param_count(model: DecoderConfig) -> int:
 
 
 def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *,
-                   rows: int, length: int, serve_dtype: str = "float32") -> TrainerMemory:
+                   rows: int, length: int, serve_dtype: str = "float32",
+                   platform: str = "cpu", device: bool = False) -> TrainerMemory:
     """The trainer's memory for steps of `rows` × `length` tokens (the whole batch; a
-    micro-batch holds rows / micro_batches of them) with `serve_dtype` weights published."""
+    micro-batch holds rows / micro_batches of them) with `serve_dtype` weights published.
+
+    "auto" fields of `trainer` are resolved for `platform` (fnrl.trainer.platform).
+    `device`: the accelerator's memory (the arrays alone, no process or host copies)
+    rather than the process's host memory."""
+    if "auto" in (trainer.compute_dtype, trainer.remat, trainer.attention):
+        trainer, _ = resolve_trainer(trainer, platform=platform, model=model)
     n = param_count(model)
     p, c = DTYPE_BYTES[trainer.param_dtype], DTYPE_BYTES[trainer.compute_dtype]
     s = DTYPE_BYTES[serve_dtype]
     L, E, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     rows_mb = -(-rows // trainer.micro_batches)
     tokens = rows_mb * length   # one micro-batch's
-    per_layer = activation_bytes_per_token_layer(model, length, c) * tokens
-    if trainer.remat:
+    per_layer = activation_bytes_per_token_layer(model, length, c, trainer.attention) * tokens
+    if trainer.remat == "full":
         activations = L * tokens * E * c + per_layer
+    elif trainer.remat == "dots":
+        activations = (L * tokens * (E * c + saved_dots_bytes_per_token_layer(model, c))
+                       + per_layer)
     else:
         activations = L * per_layer
-    if _blocked(length):   # one attention block's scores at a time
+    if _blocked(length, trainer.attention):   # one attention block's scores at a time
         activations += (ATTENTION_BLOCK_COPIES * rows_mb * model.num_attention_heads
                         * ATTENTION_BLOCK * length * 4)
     logit_tokens = rows_mb * positions_per_chunk(rows_mb, length, trainer.logprob_chunk)
@@ -183,15 +206,29 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
         backward.append(("tied embedding's second gradient", V * E * p))
     if c != p:
         backward.append((f"weights in {trainer.compute_dtype}", n * c))
-    backward.append((f"activations ({'remat' if trainer.remat else 'all layers'}, "
-                     f"{tokens} tokens)", activations))
-    if trainer.remat:
+    kept = "all layers" if trainer.remat == "none" else (
+        "remat" if trainer.remat == "full" else f"remat {trainer.remat}")
+    backward.append((f"activations ({kept}, {tokens} tokens)", activations))
+    if trainer.remat != "none":
         backward.append(("layers' parameters and gradients stacked for the scan",
                          2 * layer_param_count(model) * p))
     backward.append((f"logits ({logit_tokens} tokens x {V})",
                      LOGITS_COPIES * logit_tokens * V * 4))
     update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]
     save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
-    resident.insert(2, ("process", PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n))
+    if not device:
+        resident.insert(2, ("process", PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n))
     return TrainerMemory(resident=tuple(resident), backward=tuple(backward),
                          update=tuple(update), save=save)
+
+
+def resolve_for_device(trainer: TrainerConfig, *, platform: str, model: DecoderConfig,
+                       algo: AlgoConfig, rows: int, length: int, device_bytes: int | None
+                       ) -> tuple[TrainerConfig, dict[str, str]]:
+    """`resolve_trainer` with this plan of the device's memory for steps of `rows` ×
+    `length`, so an automatic remat is "dots" where it fits the card, else "full"."""
+    def peak(tc: TrainerConfig) -> int:
+        return trainer_memory(model, tc, algo, rows=rows, length=length, platform=platform,
+                              device=True).step_peak_bytes
+    return resolve_trainer(trainer, platform=platform, model=model, device_bytes=device_bytes,
+                           peak_bytes=peak)

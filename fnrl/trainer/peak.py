@@ -1,6 +1,6 @@
 """Peak resident memory of train steps of a random model, measured in this process.
 
-    python -m fnrl.trainer.peak --rows 8 --length 1024 --logprob-chunk 1024 --remat \
+    python -m fnrl.trainer.peak --rows 8 --length 1024 --logprob-chunk 1024 --remat full \
         --compute-dtype bfloat16            # Qwen2.5-0.5B-shaped, one JSON line out
 
 Run one configuration per process: the peak (the kernel's VmHWM) is the process's.
@@ -26,6 +26,7 @@ from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 from fnrl.models.synthetic import QWEN25_05B
 from fnrl.trainer.memory import trainer_memory
+from fnrl.trainer.platform import model_kernels, resolve_trainer
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 from fnrl.trainer.xla_flags import use_memory_scheduler
 
@@ -58,13 +59,15 @@ def random_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str,
 
 
 def _setup(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *, abstract: bool):
+    trainer = resolve_trainer(trainer, platform=jax.default_backend(), model=model)[0]
     compute, param = jnp.dtype(trainer.compute_dtype), jnp.dtype(trainer.param_dtype)
-    build = functools.partial(init_model, model, 0, dtype=compute, param_dtype=param,
-                              remat=trainer.remat)
+    kernels = model_kernels(trainer)
+    build = functools.partial(init_model, model, 0, dtype=compute, param_dtype=param, **kernels)
     optimizer = make_optimizer(algo)
     step = compile_train_step(build()[0] if not abstract else abstract_model(
-        model, dtype=compute, param_dtype=param, remat=trainer.remat)[0], optimizer, algo,
-        None, None, micro_batches=trainer.micro_batches, logprob_chunk=trainer.logprob_chunk)
+        model, dtype=compute, param_dtype=param, **kernels)[0], optimizer, algo,
+        None, None, micro_batches=trainer.micro_batches, logprob_chunk=trainer.logprob_chunk,
+        matmul_precision=trainer.matmul_precision)
     init = jax.jit(lambda p: init_state(p, optimizer), donate_argnums=0)
     if abstract:
         state = jax.eval_shape(lambda: init(build()[1]))
@@ -126,8 +129,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"])
     parser.add_argument("--logprob-chunk", type=int, default=0)
-    parser.add_argument("--remat", action="store_true")
-    parser.add_argument("--compute-dtype", default="float32")
+    parser.add_argument("--remat", default="none", choices=("auto", "none", "dots", "full"))
+    parser.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"))
+    parser.add_argument("--compute-dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--param-dtype", default="float32")
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
@@ -138,6 +142,7 @@ def main() -> None:
     model = DecoderConfig(**{**{k: v for k, v in QWEN25_05B.items() if k in fields},
                              "num_hidden_layers": args.layers})
     trainer = TrainerConfig(logprob_chunk=args.logprob_chunk, remat=args.remat,
+                            attention=args.attention,
                             compute_dtype=args.compute_dtype, param_dtype=args.param_dtype,
                             micro_batches=args.micro_batches)
     if args.compile_only:

@@ -11,8 +11,10 @@ version it had: fnrl.trainer.checkpoint) and publishes that version if the relay
 it, so rollouts never go back.
 
 Parameters are held in `trainer.param_dtype` with Adam's moments, computed in
-`trainer.compute_dtype`, optionally rematerialised per layer (`trainer.remat`) and with
-log-probs in chunks (`trainer.logprob_chunk`); the state is born sharded.
+`trainer.compute_dtype`, rematerialised per layer by a named policy (`trainer.remat`),
+attended by a named kernel (`trainer.attention`) and with log-probs in chunks
+(`trainer.logprob_chunk`); every "auto" is resolved for the platform the process runs on
+(fnrl.trainer.platform) and printed. The state is born sharded.
 
 With `trainer.distributed.num_processes` > 1 this is one rank of a group started by
 fnrl.trainer.group: every rank joins one global mesh, process 0 alone answers the
@@ -23,6 +25,7 @@ run the same Trainer calls in the same order (`follow`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -35,8 +38,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from fnrl.config import RunConfig, load_json
-from fnrl.models.hf_io import load_pretrained, params_to_hf
+from fnrl.config import RunConfig, TrainerConfig, load_json
+from fnrl.models.hf_io import load_pretrained, params_to_hf, read_config
 from fnrl.models.decoder import logical_axes
 from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
@@ -48,6 +51,8 @@ from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
+from fnrl.trainer.memory import resolve_for_device
+from fnrl.trainer.platform import describe, model_kernels
 from fnrl.trainer.step import (compile_train_step, init_sharded_state, initial_critic,
                                make_optimizer, place_params, state_shardings)
 from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
@@ -60,11 +65,14 @@ class Trainer:
     """Holds the jitted step, the state, the checkpointer and the batch log; no sockets."""
 
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path):
-        self.cfg, tc = cfg, cfg.trainer
+        model_cfg = read_config(model_dir)
+        self.max_len = cfg.model.context_len(model_cfg.max_position_embeddings)
+        tc = self._resolve(cfg, model_cfg)
+        self.cfg = cfg = dataclasses.replace(cfg, trainer=tc)
         compute = jnp.dtype(tc.compute_dtype)
         self.model_cfg, self.graphdef, host_params = load_pretrained(
-            model_dir, dtype=compute, param_dtype=jnp.dtype(tc.param_dtype), remat=tc.remat)
-        self.max_len = cfg.model.context_len(self.model_cfg.max_position_embeddings)
+            model_dir, dtype=compute, param_dtype=jnp.dtype(tc.param_dtype),
+            **model_kernels(tc))
         self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
         self.mesh = mesh_from_config(tc.mesh)
         # In a group (fnrl.trainer.distributed) every process runs every step; process 0
@@ -93,10 +101,24 @@ class Trainer:
         self._step = compile_train_step(
             self.graphdef, self.optimizer, cfg.algo, state_sh, batch_sharding(self.mesh),
             micro_batches=tc.micro_batches, logprob_chunk=tc.logprob_chunk,
-            ref_sharding=param_sh if self.ref_params is not None else None)
+            ref_sharding=param_sh if self.ref_params is not None else None,
+            matmul_precision=tc.matmul_precision)
         self._serving_cast = jax.jit(lambda p: jax.tree.map(
             lambda x: x.astype(self.serve_dtype), p))
         self.restore_latest(replay=False)
+
+    def _resolve(self, cfg: RunConfig, model_cfg) -> TrainerConfig:
+        """The trainer config with its platform defaults (printed: the run's log says
+        what the step computes with), remat planned against the first device's memory."""
+        device = jax.devices()[0]
+        limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+        buckets = [b for b in cfg.trainer.length_buckets if b <= self.max_len]
+        tc, why = resolve_for_device(cfg.trainer, platform=device.platform, model=model_cfg,
+                                     algo=cfg.algo, rows=cfg.trainer.pack_rows or cfg.batch_size,
+                                     length=max(buckets) if buckets else self.max_len,
+                                     device_bytes=limit)
+        print(describe(tc, why), flush=True)
+        return tc
 
     def _initial_state(self, host_params=None):
         """The state at version 0: the model directory's weights (read again unless
@@ -105,7 +127,7 @@ class Trainer:
             tc = self.cfg.trainer
             host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
                                           param_dtype=jnp.dtype(tc.param_dtype),
-                                          remat=tc.remat)[2]
+                                          **model_kernels(tc))[2]
         return init_sharded_state(place_params(host_params, self._param_sh), self.optimizer,
                                   self._state_sh, initial_critic(self.cfg.algo,
                                                                  self.model_cfg.hidden_size))

@@ -338,10 +338,23 @@ def _within_bounds(metrics: Mapping[str, jnp.ndarray], controls: Mapping[str, An
     return ok
 
 
+def _with_matmul_precision(fn: Callable, precision: str) -> Callable:
+    """`fn` traced under jax.default_matmul_precision(precision): the context is read
+    when jit traces, so it must be entered inside the jitted function."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+    return traced
+
+
 def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
                        micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None,
-                       logprob_chunk: int = 0):
+                       logprob_chunk: int = 0, matmul_precision: str | None = None):
     """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
+
+    `matmul_precision` ("default", "high", "highest"; None or "auto": the platform's
+    default, which is TF32 for float32 on recent GPUs) is set while the step is traced.
 
     The result is called as step(state, batch, ref_params[, controls]); ref_params is
     None unless the config uses KL (then the frozen initial params, placed by
@@ -360,6 +373,8 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
                              logprob_chunk=logprob_chunk, temperature=algo.temperature,
                              critic_optimizer=critic_optimizer,
                              value_trunk_grad=algo.value_trunk_grad)
+    if matmul_precision not in (None, "auto"):
+        step = _with_matmul_precision(step, matmul_precision)
     replicated = (jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
                   if isinstance(batch_sharding, jax.sharding.NamedSharding) else None)
     jitted = jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding, replicated),

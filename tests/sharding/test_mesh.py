@@ -51,15 +51,16 @@ def _batch(rows=8, length=12, seed=0):
             "adv_B": rng.standard_normal(rows).astype(np.float32)}
 
 
-def _run(mesh, micro_batches=1):
-    graphdef, params = init_model(CFG, seed=1)
+def _run(mesh, micro_batches=1, remat="none", logprob_chunk=0):
+    graphdef, params = init_model(CFG, seed=1, remat=remat)
     params = jax.device_put(params, shardings_for(logical_axes(CFG), params, mesh))
     opt = optax.sgd(1.0)  # the update is the gradient: compares gradients directly
     algo = AlgoConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01)
     state = jax.jit(lambda p: init_state(p, opt))(params)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     step = compile_train_step(graphdef, opt, algo, state_sh, batch_sharding(mesh),
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, logprob_chunk=logprob_chunk,
+                              matmul_precision="highest")
     new_state, metrics = step(state, _batch(), None)
     return jax.device_get(new_state.params), jax.device_get(metrics), new_state
 
@@ -69,10 +70,13 @@ def one_device():
     return _run(make_mesh(1, 1, 1, devices=jax.devices()[:1]))
 
 
-@pytest.mark.parametrize("shape,micro_batches", [((8, 1, 1), 1), ((2, 2, 2), 2), ((1, 2, 4), 1)])
-def test_sharded_step_equals_one_device_step(one_device, shape, micro_batches):
+@pytest.mark.parametrize("shape,micro_batches,kernels", [
+    ((8, 1, 1), 1, {}), ((2, 2, 2), 2, {}), ((1, 2, 4), 1, {}),
+    # FSDP alone over 8 devices with the GPU defaults' remat and chunked log-probs.
+    ((1, 8, 1), 1, {"remat": "dots", "logprob_chunk": 24})])
+def test_sharded_step_equals_one_device_step(one_device, shape, micro_batches, kernels):
     params0, metrics0, _ = one_device
-    params, metrics, state = _run(make_mesh(*shape), micro_batches)
+    params, metrics, state = _run(make_mesh(*shape), micro_batches, **kernels)
     assert float(metrics["loss"]) == pytest.approx(float(metrics0["loss"]), rel=1e-5, abs=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, params0)
     # The state really is spread over the mesh (pure data parallelism replicates it).

@@ -1,0 +1,65 @@
+"""Platform defaults: every "auto" of TrainerConfig made concrete, with its reason."""
+
+import dataclasses
+
+import pytest
+
+from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.models.decoder import DecoderConfig
+from fnrl.models.synthetic import QWEN25_05B
+from fnrl.trainer.memory import resolve_for_device
+from fnrl.trainer.platform import describe, model_kernels, resolve_trainer
+
+_FIELDS = {f.name for f in dataclasses.fields(DecoderConfig)}
+QWEN = DecoderConfig(**{k: v for k, v in QWEN25_05B.items() if k in _FIELDS})
+GIB = 2**30
+
+
+def test_cpu_keeps_the_float32_path():
+    tc, why = resolve_trainer(TrainerConfig(), platform="cpu", model=QWEN)
+    assert (tc.compute_dtype, tc.attention, tc.remat, tc.matmul_precision) == (
+        "float32", "xla", "none", "highest")
+    assert "needs a GPU" in why["attention"]
+    assert tc.logprob_chunk > 0   # chunked log-probs on every platform
+
+
+def test_gpu_picks_bfloat16_cudnn_and_remat_that_fits_the_card():
+    kw = dict(platform="gpu", model=QWEN, algo=AlgoConfig(), rows=8, length=1024)
+    tc, why = resolve_for_device(TrainerConfig(), device_bytes=80 * GIB, **kw)
+    assert (tc.compute_dtype, tc.attention, tc.remat, tc.matmul_precision) == (
+        "bfloat16", "cudnn", "dots", "default")
+    assert "GiB of the card" in why["remat"]
+    # A card too small for the saved matmuls: only each layer's input is kept.
+    small, why = resolve_for_device(TrainerConfig(), device_bytes=12 * GIB, **kw)
+    assert small.remat == "full" and "10.8 GiB of the card" in why["remat"]
+    line = describe(tc, why)
+    assert "attention=cudnn (auto: GPU: cuDNN fused flash attention)" in line
+    assert "remat=" in line and "param_dtype=float32" in line
+
+
+def test_explicit_choices_are_kept_and_cudnn_is_refused_in_float32():
+    tc, why = resolve_trainer(TrainerConfig(compute_dtype="float32", remat="full"),
+                              platform="gpu", model=QWEN)
+    assert tc.attention == "xla" and "bfloat16/float16" in why["attention"]
+    assert tc.matmul_precision == "highest"   # no TF32 when float32 is asked for
+    assert tc.remat == "full" and "remat" not in why
+    odd = dataclasses.replace(QWEN, head_dim=12)
+    assert resolve_trainer(TrainerConfig(), platform="gpu", model=odd)[0].attention == "xla"
+
+
+def test_kernels_need_a_resolved_config_and_packing_bounds_the_runs():
+    with pytest.raises(ValueError, match="resolve_trainer first"):
+        model_kernels(TrainerConfig())
+    tc, _ = resolve_trainer(TrainerConfig(pack_rows=4, pack_max_segments=16), platform="cpu")
+    assert model_kernels(tc) == {"remat": "none", "attention": "xla", "max_segments": 16}
+    with pytest.raises(ValueError, match="platform must be one of"):
+        resolve_trainer(TrainerConfig(), platform="metal")
+
+
+def test_config_names_bad_values_and_reads_old_booleans():
+    assert TrainerConfig(remat=True).remat == "full"
+    assert TrainerConfig(remat=False).remat == "none"
+    with pytest.raises(ValueError, match="TrainerConfig.attention='flash'"):
+        TrainerConfig(attention="flash")
+    with pytest.raises(ValueError, match="pack_max_segments"):
+        TrainerConfig(pack_max_segments=1)
