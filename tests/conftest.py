@@ -1,10 +1,15 @@
 """Test-wide set-up: 8 fake CPU devices before JAX is imported, so sharding is tested
-without accelerators."""
+without accelerators.
+
+The GPU lane (`FNRL_GPU_LANE=1 pytest -m gpu`, scripts/gpu_check.sh) leaves JAX to find
+the machine's own devices: a GPU where there is one, else the one real CPU device. Its
+tests compare at `tolerances.tol`'s platform-aware tolerances."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("FNRL_GPU_LANE") != "1":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

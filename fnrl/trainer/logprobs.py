@@ -3,18 +3,21 @@
 A B×T×V logits array is the largest thing a language-model step can hold: with Qwen's
 151,936-token vocabulary, 8 × 1,024 tokens of float32 logits are 5 GB, and the
 backward pass wants about as much again. Here the vocabulary projection runs over
-chunks of the sequence: each chunk holds the logits of at most `chunk_tokens` tokens
-(all B rows × chunk_tokens // B positions), reduces them to one log-prob (and entropy)
-per token, and lets them go. Every chunk is wrapped in `jax.checkpoint`, so the
-backward pass recomputes its logits from the hidden states instead of storing them:
-forward and backward each hold one chunk's logits at a time.
+chunks of the sequence, fused with its reductions under a hand-written VJP
+(`_fused_logprobs`): the forward pass keeps one log-sum-exp (and entropy) per token and
+lets each chunk's logits go; the backward pass recomputes a chunk's logits, turns them
+straight into their cotangent and folds that into the hidden states' gradient and a
+float32 kernel gradient carried across chunks. Forward and backward each hold one
+chunk's logits at a time, and autodiff never sees them.
 
 The chunks run along positions, not along flattened B·T, so a chunk keeps the batch
-dimension and with it the data-parallel sharding of the rows.
+dimension and with it the data-parallel sharding of the rows. chunk_tokens = 0 keeps
+the plain autodiff path over the full logits: the reference the fused one is tested on.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -24,29 +27,95 @@ from flax import nnx
 Params = Any
 
 
+def _softmax_stats(z_BxTxV, target_BxT, with_entropy: bool):
+    """(log p(target), log Z, entropy or None) of softmax(z), z float32."""
+    logz_BxT = jax.nn.logsumexp(z_BxTxV, axis=-1)
+    picked_BxT = jnp.take_along_axis(z_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
+    entropy_BxT = None
+    if with_entropy:
+        # H = log Z - Σ p·z, without materialising log p a second time.
+        probs_BxTxV = jnp.exp(z_BxTxV - logz_BxT[..., None])
+        entropy_BxT = logz_BxT - jnp.sum(probs_BxTxV * z_BxTxV, axis=-1)
+    return picked_BxT - logz_BxT, logz_BxT, entropy_BxT
+
+
 def _reduce(logits_BxTxV, target_BxT, with_entropy: bool, temperature: float = 1.0):
     """(log p(target), entropy or None) from float32 logits, of softmax(logits / T):
     the distribution vLLM sampled from at temperature T, whose log-probs it returns."""
-    if temperature != 1.0:
-        logits_BxTxV = logits_BxTxV / temperature
-    logz_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    picked_BxT = jnp.take_along_axis(logits_BxTxV, target_BxT[..., None], axis=-1)[..., 0]
-    entropy_BxT = None
-    if with_entropy:
-        # H = log Z - Σ p·logit, without materialising log p a second time.
-        probs_BxTxV = jnp.exp(logits_BxTxV - logz_BxT[..., None])
-        entropy_BxT = logz_BxT - jnp.sum(probs_BxTxV * logits_BxTxV, axis=-1)
-    return picked_BxT - logz_BxT, entropy_BxT
+    logp_BxT, _, entropy_BxT = _softmax_stats(logits_BxTxV / temperature, target_BxT,
+                                              with_entropy)
+    return logp_BxT, entropy_BxT
+
+
+def _logits(h_BxCxE, kernel_VxE):
+    """A chunk's logits, accumulated in float32 as Decoder.logits does. The kernel is
+    cast to the hidden states' dtype here, inside the chunk, so a bfloat16 trunk
+    multiplies in bfloat16 whatever the parameters' storage dtype."""
+    return jnp.einsum("bce,ve->bcv", h_BxCxE, kernel_VxE.astype(h_BxCxE.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def _project(h_BxCxE, target_BxC, kernel_VxE, with_entropy: bool, temperature: float = 1.0):
-    """One chunk: its logits, accumulated in float32 as Decoder.logits does, reduced.
-    The kernel is cast to the hidden states' dtype here, inside the chunk, so each
-    chunk's kernel gradient leaves it in the kernel's own dtype and the chunks'
-    gradients add up in the parameters' precision (not in bfloat16)."""
-    logits_BxCxV = jnp.einsum("bce,ve->bcv", h_BxCxE, kernel_VxE.astype(h_BxCxE.dtype),
-                              preferred_element_type=jnp.float32)
-    return _reduce(logits_BxCxV, target_BxC, with_entropy, temperature)
+    """All positions at once through autodiff: the reference path (chunk_tokens = 0)."""
+    return _reduce(_logits(h_BxCxE, kernel_VxE), target_BxC, with_entropy, temperature)
+
+
+# with_entropy and temperature are static; the targets are integers and get no gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_logprobs(with_entropy: bool, temperature: float, h_NxBxCxE, target_NxBxC,
+                    kernel_VxE):
+    """(log p(target), entropy or None), each N×B×C float32, over N chunks of C
+    positions, holding one chunk's B×C×V logits at a time."""
+    return _fused_forward(with_entropy, temperature, h_NxBxCxE, target_NxBxC, kernel_VxE)[0]
+
+
+def _fused_forward(with_entropy, temperature, h_NxBxCxE, target_NxBxC, kernel_VxE):
+    def chunk(args):
+        h_BxCxE, target_BxC = args
+        return _softmax_stats(_logits(h_BxCxE, kernel_VxE) / temperature, target_BxC,
+                              with_entropy)
+
+    logp_NxBxC, logz_NxBxC, entropy_NxBxC = jax.lax.map(chunk, (h_NxBxCxE, target_NxBxC))
+    # The residuals are the inputs and one log Z per token: never the logits.
+    return (logp_NxBxC, entropy_NxBxC), (h_NxBxCxE, target_NxBxC, kernel_VxE, logz_NxBxC)
+
+
+def _fused_backward(with_entropy, temperature, residuals, cotangents):
+    h_NxBxCxE, target_NxBxC, kernel_VxE, logz_NxBxC = residuals
+    g_logp_NxBxC, g_entropy_NxBxC = cotangents
+    V = kernel_VxE.shape[0]
+
+    def chunk(dkernel_VxE, args):
+        h_BxCxE, target_BxC, logz_BxC, g_logp_BxC, g_entropy_BxC = args
+        z_BxCxV = _logits(h_BxCxE, kernel_VxE) / temperature
+        p_BxCxV = jnp.exp(z_BxCxV - logz_BxC[..., None])
+        # d log p(t)/dz = onehot(t) - p, and d H/dz = -p·(z - Σ p·z): Σ p·z is summed
+        # again here rather than taken as log Z - H, whose cancellation costs digits.
+        scale_BxCxV = g_logp_BxC[..., None]
+        if with_entropy:
+            mean_z_BxC = jnp.sum(p_BxCxV * z_BxCxV, axis=-1)
+            scale_BxCxV = scale_BxCxV + g_entropy_BxC[..., None] * (
+                z_BxCxV - mean_z_BxC[..., None])
+        onehot_BxCxV = jax.nn.one_hot(target_BxC, V, dtype=jnp.float32)
+        dz_BxCxV = onehot_BxCxV * g_logp_BxC[..., None] - p_BxCxV * scale_BxCxV
+        # In the trunk's dtype for the two matmuls, as autodiff of _project would be
+        # (bfloat16 tensor cores on a bfloat16 trunk), accumulated in float32.
+        dlogits_BxCxV = (dz_BxCxV / temperature).astype(h_BxCxE.dtype)
+        dh_BxCxE = jnp.einsum("bcv,ve->bce", dlogits_BxCxV, kernel_VxE.astype(h_BxCxE.dtype),
+                              preferred_element_type=jnp.float32).astype(h_BxCxE.dtype)
+        dkernel_VxE = dkernel_VxE + jnp.einsum("bcv,bce->ve", dlogits_BxCxV, h_BxCxE,
+                                               preferred_element_type=jnp.float32)
+        return dkernel_VxE, dh_BxCxE
+
+    g_entropy_NxBxC = g_entropy_NxBxC if with_entropy else jnp.zeros_like(g_logp_NxBxC)
+    xs = (h_NxBxCxE, target_NxBxC, logz_NxBxC, g_logp_NxBxC, g_entropy_NxBxC)
+    # The kernel's gradient sums over every chunk in float32, whatever its own dtype.
+    dkernel_VxE, dh_NxBxCxE = jax.lax.scan(
+        chunk, jnp.zeros_like(kernel_VxE, dtype=jnp.float32), xs)
+    return dh_NxBxCxE, None, dkernel_VxE.astype(kernel_VxE.dtype)
+
+
+_fused_logprobs.defvjp(_fused_forward, _fused_backward)
 
 
 def positions_per_chunk(rows: int, length: int, chunk_tokens: int) -> int:
@@ -63,26 +132,21 @@ def logprobs_from_hidden(h_BxTxE: jnp.ndarray, target_BxT: jnp.ndarray,
     """log π(target_t) (and per-token entropy if asked) for every position, float32.
 
     `kernel_VxE` is the model's output projection, best in its storage dtype (cast to
-    h's in each chunk).
-    chunk_tokens = 0 projects all tokens at once; otherwise at most chunk_tokens
-    tokens' logits exist at a time, in the forward and in the backward pass (each
-    chunk is rematerialised).
+    h's in each chunk; its gradient comes back in its own dtype, summed in float32).
+    chunk_tokens > 0 (the fused path) holds at most chunk_tokens tokens' logits at a
+    time, in the forward and the backward pass; chunk_tokens = 0 projects all tokens
+    at once through autodiff, the reference for parity tests.
     """
+    if chunk_tokens <= 0:
+        return _project(h_BxTxE, target_BxT, kernel_VxE, with_entropy, temperature)
     B, T, E = h_BxTxE.shape
     c = positions_per_chunk(B, T, chunk_tokens)
-    if c == T:
-        return _project(h_BxTxE, target_BxT, kernel_VxE, with_entropy, temperature)
     n = -(-T // c)
     pad = n * c - T   # the padded positions compute a throwaway log-prob of token 0
     h_NxBxCxE = jnp.pad(h_BxTxE, ((0, 0), (0, pad), (0, 0))).reshape(B, n, c, E).swapaxes(0, 1)
     t_NxBxC = jnp.pad(target_BxT, ((0, 0), (0, pad))).reshape(B, n, c).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def chunk(args):
-        logp_BxC, entropy_BxC = _project(*args, kernel_VxE, with_entropy, temperature)
-        return logp_BxC, (entropy_BxC if with_entropy else jnp.zeros_like(logp_BxC))
-
-    logp_NxBxC, entropy_NxBxC = jax.lax.map(chunk, (h_NxBxCxE, t_NxBxC))
+    logp_NxBxC, entropy_NxBxC = _fused_logprobs(with_entropy, float(temperature), h_NxBxCxE,
+                                                t_NxBxC, kernel_VxE)
     unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * c)[:, :T]  # noqa: E731
     return unchunk(logp_NxBxC), (unchunk(entropy_NxBxC) if with_entropy else None)
 
@@ -91,7 +155,7 @@ def _hidden_and_kernel(graphdef: nnx.GraphDef, params: Params, input_BxT, positi
                        segment_ids_BxT):
     model = nnx.merge(graphdef, params)
     h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT)
-    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _project).
+    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits).
     kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
     return h_BxTxE, kernel_VxE
 

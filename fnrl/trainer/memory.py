@@ -211,9 +211,12 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
     backward.append((f"activations ({kept}, {tokens} tokens)", activations))
     if trainer.remat != "none":
         backward.append(("layers' parameters and gradients stacked for the scan",
-                         2 * layer_param_count(model) * p))
+                         2 * layer_param_count(model) * c))
     backward.append((f"logits ({logit_tokens} tokens x {V})",
                      LOGITS_COPIES * logit_tokens * V * 4))
+    if logit_tokens < rows_mb * length:
+        # The fused chunked backward carries the vocabulary kernel's gradient in float32.
+        backward.append(("vocabulary kernel's float32 gradient carry", V * E * 4))
     update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]
     save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
     if not device:

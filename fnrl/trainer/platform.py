@@ -5,9 +5,9 @@
     print(describe(tc, why))
 
 On GPU the trainer computes in bfloat16 over float32 master weights, attends with
-cuDNN's fused kernel, keeps the weight matmuls' outputs for the backward pass (remat
-"dots"), or only each layer's input ("full") when the memory plan of "dots" does not
-fit the card, and runs float32 matmuls (there are few: none in bfloat16 compute) at
+cuDNN's fused kernel, keeps every activation for the backward pass where the memory
+plan fits the card (remat "none"), else the weight matmuls' outputs ("dots"), else only
+each layer's input ("full"), and runs float32 matmuls (there are few: none in bfloat16 compute) at
 full precision rather than TF32. On CPU it computes in float32 with the xla attention
 and no remat, as before these defaults existed. Log-probs are chunked everywhere
 (`logprob_chunk` has a concrete default). Anything set explicitly is kept as set.
@@ -43,7 +43,8 @@ def _remat(tc: TrainerConfig, platform: str, device_bytes: int | None,
     if peak_bytes is None or not device_bytes:
         return "dots", f"{platform}: recompute only elementwise work (no memory plan given)"
     budget = DEVICE_HEADROOM * device_bytes
-    for remat in ("dots", "full"):
+    # The least recomputation that fits: none, then the elementwise work, then layers.
+    for remat in ("none", "dots", "full"):
         peak = peak_bytes(dataclasses.replace(tc, remat=remat))
         if peak <= budget or remat == "full":
             return remat, (f"{platform}: plan {peak / 2**30:.1f} GiB against "
@@ -56,9 +57,10 @@ def resolve_trainer(tc: TrainerConfig, *, platform: str, model: DecoderConfig | 
                     peak_bytes: Callable[[TrainerConfig], int] | None = None
                     ) -> tuple[TrainerConfig, dict[str, str]]:
     """`tc` with every "auto" replaced for `platform` ("cpu", "gpu", "tpu"), and the
-    reason for each choice made. On an accelerator remat is "dots" unless
-    `peak_bytes(config)` (a memory plan, fnrl.trainer.memory.resolve_for_device) puts it
-    above the card's `device_bytes`, then "full"."""
+    reason for each choice made. On an accelerator remat is the first of "none", "dots"
+    and "full" whose `peak_bytes(config)` (a memory plan,
+    fnrl.trainer.memory.resolve_for_device) fits the card's `device_bytes`; "dots"
+    without a plan."""
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     why: dict[str, str] = {}

@@ -1,6 +1,7 @@
-"""Chunked log-probs equal the unchunked ones: values, entropy, gradients, with packing
-segments, micro-batches, the KL reference and the SFT step; and chunks really bound the
-logits held."""
+"""Chunked log-probs (the fused VJP) equal the unchunked ones: values, entropy,
+gradients, with packing segments, micro-batches, sharding, remat, the KL reference and
+the SFT step; and chunks really bound the logits held, in the jaxpr and in the compiled
+buffers."""
 
 import functools
 
@@ -9,15 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.losses import build_objective
 from fnrl.models.decoder import DecoderConfig, forward, init_model
 from fnrl.trainer.batching import build_batch
-from fnrl.trainer.logprobs import model_logprobs, positions_per_chunk
+from fnrl.sharding.mesh import make_mesh
+from fnrl.trainer.logprobs import logprobs_from_hidden, model_logprobs, positions_per_chunk
 from fnrl.trainer.step import init_state, sft_step, train_step
 
 from test_batching import _groups
+from tolerances import assert_close
 
 V = 97   # prime: no chunk size divides it, and it is larger than a chunk
 
@@ -186,3 +190,142 @@ def test_log_probs_are_those_of_the_sampling_temperature(chunk):
         np.testing.assert_allclose(got, want, atol=2e-5)
         p = jax.nn.softmax(logits / t, axis=-1)
         np.testing.assert_allclose(entropy, -jnp.sum(p * jnp.log(p), -1), atol=2e-5)
+
+
+def _hidden_problem(tied: bool, B=2, T=13, E=16, V=V, dtype=jnp.float32):
+    """Params whose hidden states and vocabulary kernel both carry gradient: tied, the
+    kernel is also the input embedding; untied, a head apart. Logits of order 1."""
+    k = jax.random.split(jax.random.key(7), 6)
+    params = {"embedding": jax.random.normal(k[0], (V, E)) / E**0.5,
+              "mix": jax.random.normal(k[1], (E, E)),
+              "head": jax.random.normal(k[2], (V, E)) / E**0.5}
+    tokens = jax.random.randint(k[3], (B, T + 1), 0, V)
+    w_BxT, u_BxT = jax.random.normal(k[4], (B, T)), jax.random.normal(k[5], (B, T))
+
+    def hidden_and_kernel(params):
+        h_BxTxE = jnp.tanh(params["embedding"][tokens[:, :-1]] @ params["mix"]).astype(dtype)
+        return h_BxTxE, params["embedding" if tied else "head"]
+
+    return params, tokens[:, 1:], w_BxT, u_BxT, hidden_and_kernel
+
+
+# T = 13 positions over 2 rows: 6 tokens = 3 positions a chunk, the last padded by 2;
+# 1 token = 1 position (at least one); 26 tokens = every position in one fused chunk.
+@pytest.mark.gpu
+@pytest.mark.parametrize("tied,with_entropy,temperature,chunk", [
+    (True, True, 0.7, 6), (False, True, 1.0, 6), (True, False, 1.3, 6), (False, False, 0.7, 1),
+    (True, True, 1.0, 26)])
+def test_fused_values_and_gradients_match_unchunked(tied, with_entropy, temperature, chunk):
+    params, target_BxT, w_BxT, u_BxT, hidden_and_kernel = _hidden_problem(tied)
+
+    def objective(params, h_delta_BxTxE, chunk_tokens):
+        h_BxTxE, kernel_VxE = hidden_and_kernel(params)
+        logp, ent = logprobs_from_hidden(h_BxTxE + h_delta_BxTxE, target_BxT, kernel_VxE,
+                                         chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                         temperature=temperature)
+        loss = jnp.sum(logp * w_BxT) + (jnp.sum(ent * u_BxT) if with_entropy else 0.0)
+        return loss, (logp, ent)
+
+    grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                   static_argnums=2)
+    h_delta = jnp.zeros(target_BxT.shape + (16,))
+    # Full float32 matmuls on every platform (GPUs default to TF32): tolerances.tol.
+    with jax.default_matmul_precision("highest"):
+        (ref, (logp0, ent0)), g0 = grad(params, h_delta, 0)
+        (val, (logp1, ent1)), g1 = grad(params, h_delta, chunk)
+    assert_close(logp1, logp0)
+    assert_close(val, ref)
+    if with_entropy:
+        assert_close(ent1, ent0)
+        assert float(ent0.min()) > 0
+    else:
+        assert ent0 is None and ent1 is None
+    (p0, dh0), (p1, dh1) = g0, g1
+    assert_close(dh1, dh0)                                  # wrt the hidden states
+    for name in p0:
+        assert_close(p1[name], p0[name])
+    # The projection reaches every vocabulary row; the trunk's gradient is live too.
+    assert float(jnp.abs(p0["embedding" if tied else "head"]).min()) > 0
+    assert float(jnp.abs(p0["mix"]).max()) > 0
+
+
+@pytest.mark.gpu
+def test_fused_backward_holds_a_fraction_of_the_logits():
+    """The compiled backward's temporaries, not the jaxpr: B×T×V float32 is 64 MiB here,
+    a chunk's logits 2 MiB; the fused path holds under a quarter of it, the unchunked
+    path more than all of it (so the measure can fail)."""
+    B, T, V_, E = 2, 1024, 8192, 64
+    k = jax.random.split(jax.random.key(0), 3)
+    h_BxTxE = jax.random.normal(k[0], (B, T, E))
+    kernel_VxE = jax.random.normal(k[1], (V_, E)) / E**0.5
+    target_BxT = jax.random.randint(k[2], (B, T), 0, V_)
+
+    def temp_bytes(chunk):
+        def loss(h, kernel):
+            logp, ent = logprobs_from_hidden(h, target_BxT, kernel, chunk_tokens=chunk,
+                                             with_entropy=True)
+            return jnp.sum(logp) + jnp.sum(ent)
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h_BxTxE, kernel_VxE).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    logits_bytes = B * T * V_ * 4
+    assert temp_bytes(0) > logits_bytes
+    assert temp_bytes(64) < logits_bytes / 4
+
+
+@pytest.mark.gpu
+def test_fused_bf16_hidden_gradients_match_unchunked_to_bf16_rounding():
+    """bfloat16 hidden states over a float32 kernel: the hidden states' gradient is
+    bfloat16, the kernel's float32 (summed over chunks in float32), both within
+    bfloat16 rounding of autodiff over the full logits."""
+    params, target_BxT, w_BxT, u_BxT, hidden_and_kernel = _hidden_problem(
+        tied=True, T=40, dtype=jnp.bfloat16)
+    h_BxTxE, kernel_VxE = hidden_and_kernel(params)
+
+    def grad(chunk):
+        def loss(h, kernel):
+            logp, ent = logprobs_from_hidden(h, target_BxT, kernel, chunk_tokens=chunk,
+                                             with_entropy=True, temperature=0.7)
+            return jnp.sum(logp * w_BxT) + jnp.sum(ent * u_BxT)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(h_BxTxE, kernel_VxE)
+
+    (dh0, dk0), (dh1, dk1) = grad(0), grad(12)
+    assert dh1.dtype == jnp.bfloat16 and dk1.dtype == jnp.float32
+    assert_close(dh1, dh0, "bfloat16")
+    assert_close(dk1, dk0, "bfloat16")
+
+
+def test_fused_under_sharding_microbatch_scan_and_remat():
+    """Rows over data×fsdp, the kernel over tensor×fsdp, two micro-batches in a
+    `lax.scan`, each under the caller's `jax.checkpoint`: the same values and gradients
+    as unsharded autodiff over the full logits. 96 = 97 - 1: the vocabulary splits."""
+    params, target_BxT, w_BxT, u_BxT, hidden_and_kernel = _hidden_problem(
+        tied=False, B=8, T=12, E=16, V=96)
+    h_BxTxE, kernel_VxE = hidden_and_kernel(params)
+
+    def loss(h_BxTxE, kernel_VxE, chunk):
+        @jax.checkpoint
+        def micro(h_MxTxE, t_MxT, w_MxT, u_MxT):
+            logp, ent = logprobs_from_hidden(h_MxTxE, t_MxT, kernel_VxE, chunk_tokens=chunk,
+                                             with_entropy=True, temperature=0.7)
+            return jnp.sum(logp * w_MxT) + jnp.sum(ent * u_MxT)
+
+        def body(total, mb):
+            return total + micro(*mb), None
+
+        split = lambda x: x.reshape(2, x.shape[0] // 2, *x.shape[1:])  # noqa: E731
+        mbs = tuple(split(x) for x in (h_BxTxE, target_BxT, w_BxT, u_BxT))
+        return jax.lax.scan(body, jnp.zeros(()), mbs)[0]
+
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    h_sharded = jax.device_put(h_BxTxE, NamedSharding(mesh, P(("data", "fsdp"))))
+    kernel_sharded = jax.device_put(kernel_VxE, NamedSharding(mesh, P("tensor", "fsdp")))
+    with jax.default_matmul_precision("highest"):
+        ref, (dh0, dk0) = jax.value_and_grad(loss, argnums=(0, 1))(h_BxTxE, kernel_VxE, 0)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2,
+                       out_shardings=(None, (h_sharded.sharding, kernel_sharded.sharding)))
+        val, (dh1, dk1) = step(h_sharded, kernel_sharded, 8)   # 4 rows x 2 positions
+    assert_close(val, ref)
+    assert_close(dh1, dh0)
+    assert_close(dk1, dk0)
+    assert dk1.sharding.spec == kernel_sharded.sharding.spec

@@ -23,18 +23,21 @@ def test_cpu_keeps_the_float32_path():
     assert tc.logprob_chunk > 0   # chunked log-probs on every platform
 
 
-def test_gpu_picks_bfloat16_cudnn_and_remat_that_fits_the_card():
+def test_gpu_picks_bfloat16_cudnn_and_the_least_remat_that_fits_the_card():
     kw = dict(platform="gpu", model=QWEN, algo=AlgoConfig(), rows=8, length=1024)
     tc, why = resolve_for_device(TrainerConfig(), device_bytes=80 * GIB, **kw)
     assert (tc.compute_dtype, tc.attention, tc.remat, tc.matmul_precision) == (
-        "bfloat16", "cudnn", "dots", "default")
-    assert "GiB of the card" in why["remat"]
-    # A card too small for the saved matmuls: only each layer's input is kept.
-    small, why = resolve_for_device(TrainerConfig(), device_bytes=12 * GIB, **kw)
-    assert small.remat == "full" and "10.8 GiB of the card" in why["remat"]
+        "bfloat16", "cudnn", "none", "default")
+    assert "72.0 GiB of the card" in why["remat"]
     line = describe(tc, why)
     assert "attention=cudnn (auto: GPU: cuDNN fused flash attention)" in line
-    assert "remat=" in line and "param_dtype=float32" in line
+    assert "remat=none (auto: gpu: plan " in line and "param_dtype=float32" in line
+    # Smaller cards: keep the matmuls' outputs, then only each layer's input.
+    assert resolve_for_device(TrainerConfig(), device_bytes=24 * GIB, **kw)[0].remat == "dots"
+    small, why = resolve_for_device(TrainerConfig(), device_bytes=16 * GIB, **kw)
+    assert small.remat == "full" and "14.4 GiB of the card" in why["remat"]
+    # Without a plan (no model or card size) an accelerator keeps the matmuls' outputs.
+    assert resolve_trainer(TrainerConfig(), platform="gpu")[0].remat == "dots"
 
 
 def test_explicit_choices_are_kept_and_cudnn_is_refused_in_float32():

@@ -50,17 +50,19 @@ def test_chunks_remat_bf16_micro_batches_and_kl_by_hand():
     # bf16 per token and layer: (32 + 32 + 8 + 128) * 2 + 48 = 448, attention (float32)
     # 2*8*2*4 = 128: 576, 9,216 for 16 tokens. Remat keeps the 2 layers' inputs (8 * 2
     # bytes a token) and one recomputed layer; its scan stacks the layers' 2 * 608
-    # parameters and their gradients (float32).
+    # parameters and their gradients in the compute dtype (bfloat16).
     assert backward["activations (remat, 16 tokens)"] == 2 * 16 * 8 * 2 + 9216
-    assert backward["layers' parameters and gradients stacked for the scan"] == 2 * 1216 * 4
+    assert backward["layers' parameters and gradients stacked for the scan"] == 2 * 1216 * 2
+    # Chunked: the fused backward carries the V x E kernel gradient in float32.
+    assert backward["vocabulary kernel's float32 gradient carry"] == 100 * 8 * 4
     assert backward["logits (4 tokens x 100)"] == 2 * 4 * 100 * 4
     assert backward["gradient accumulator"] == 4 * n and backward["weights in bfloat16"] == 2 * n
     assert dict(tm.update) == {"gradients": 4 * n, "gradient accumulator": 4 * n,
                                "AdamW temporaries": 12 * n}
     assert dict(tm.save)["weights for the relay"] == 2 * n
-    # The backward pass (10 n + 25,856 bytes) outweighs the update (20 n = 40,480).
-    backward = 4 * n + 4 * n + 3200 + 2 * n + 9728 + 9728 + 3200
-    assert backward == 46096
+    # The backward pass (10 n + 24,192 bytes) outweighs the update (20 n = 40,480).
+    backward = 4 * n + 4 * n + 3200 + 2 * n + 9728 + 4864 + 3200 + 3200
+    assert backward == 44432
     process = PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n
     assert tm.step_peak_bytes == 12 * n + 2 * n + process + backward
 
