@@ -36,6 +36,18 @@ ATTENTION_OUT = "attention_out"
 "dots" policy saves it, so a fused kernel's forward is not run again in the backward."""
 
 
+FUSED_ATTENTION_PRIMITIVES = frozenset({"dot_product_attention_fwd",
+                                        "dot_product_attention_fwd_wrapper"})
+"""JAX's cuDNN forward primitives, whose outputs include the softmax statistics the
+backward kernel reads: a remat policy that saved only the attention output would run
+the fused forward again in the backward pass to get them."""
+
+
+def saves_fused_attention(prim, *_, **__) -> bool:
+    """A remat policy (`jax.checkpoint_policies` form): keep the fused attention's outputs."""
+    return prim.name in FUSED_ATTENTION_PRIMITIVES
+
+
 def segment_runs(segment_ids_BxT: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
     """Each row's runs of equal segment ids as (lengths_BxM, starts_BxM1), int32: run m
     of row b covers positions starts[b, m] .. starts[b, m] + lengths[b, m] - 1; unused

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fnrl.models.attention import ATTENTION_OUT, KERNELS, attend, causal_mask
+from fnrl.models.attention import (ATTENTION_OUT, KERNELS, attend, causal_mask,
+                                   saves_fused_attention)
 from fnrl.models.families import FAMILIES, DecoderConfig, Llama3RopeScaling
 
 __all__ = ["ATTENTION_BLOCK", "FAMILIES", "Kernels", "REMAT_POLICIES", "remat_policy_name", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
@@ -54,8 +55,10 @@ REMAT_POLICIES = {
     # batch dimensions) and the attention output: the backward pass recomputes only the
     # elementwise work (norms, RoPE, SiLU), never a matmul or a fused attention kernel.
     "dots": lambda: jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT)),
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT)),
+        saves_fused_attention),
 }
 """Remat policies by name (`jax.checkpoint_policies`); "none" keeps every activation."""
 
