@@ -1,37 +1,61 @@
-"""fnrl's jitted train step against a PyTorch reference step, in paired rounds.
+"""fnrl's jitted train step against a PyTorch reference step, side by side.
 
     python benchmarks/train_step.py --rounds 5 --steps 8          # CPU-sized Qwen2, speed
     python benchmarks/train_step.py --rounds 5 --threads 1        # one intra-op thread each
-    python benchmarks/train_step.py --preset 1b                   # ~1B Qwen2, bf16 (GPU), MFU
+    python benchmarks/train_step.py --preset qwen1.5b --rounds 1  # on a GPU: in turns, MFU
+    python benchmarks/train_step.py --preset qwen3b --torch-compile --json out.json
     flock /tmp/fnrl-heavy.lock python benchmarks/train_step.py --memory [--layers 2 --batch 2]
 
 Both sides run the same model config, batch and loss (PPO clip on per-token
 log-probs, token mean), global-norm clipping and AdamW. The reference is
-transformers' Qwen2ForCausalLM forward and backward with torch.optim.AdamW.
+transformers' Qwen2ForCausalLM forward and backward with torch.optim.AdamW, float32
+weights under bfloat16 autocast where fnrl computes in bfloat16, SDPA attention: the
+eager step people run (`--torch-compile` adds a torch.compile'd model as a third side,
+never the default reference). fnrl runs as the trainer does: every "auto" of its
+TrainerConfig resolved by fnrl.trainer.platform for the device it finds (on a GPU
+bfloat16 compute over float32 master weights, cuDNN attention, remat planned against the
+card's bytes_limit), the resolved kernels printed. What each side's process runs is in
+benchmarks/train_step_sides.py; this file is the presets, schedules and table.
 
-Speed. Each side runs in its own fresh process (its own peak memory, no shared
-thread pools). A round starts one process per side, lets each compile and warm up
-in turn, then has them take turns one step at a time in the order fnrl, torch,
-torch, fnrl, ... (ABBA), while the other waits idle: a burst of load from other jobs
-on a shared machine lands on both sides' steps of the same seconds instead of on one
-side's whole run. The first side alternates within each pair of rounds, the pairs in
-seeded random order (benchmarks/rounds.py, `--seed`). A round's ratio is
-torch's median step over fnrl's (the fnrl/torch throughput ratio); the result is the
-median of the rounds' ratios with their min–max spread, beside the same ratio of CPU
-seconds per step (all threads), which counts work rather than waiting for a core.
-Both sides get the same CPUs and thread count (`--threads`: the affinity that sizes
-XLA's intra-op pool, torch.set_num_threads and OMP/MKL; see fnrl.trainer.xla_flags),
-printed with the environment (CPUs, MemAvailable, versions) and each round's load
-average at its start and end.
+Presets: `cpu` (a 2-core machine), the real Qwen2.5-0.5B (8 × 1,024), -1.5B and -3B
+(8 × 2,048) configs, Qwen2.5-7B's widths with 8 of its 28 layers (`qwen7b-8l`), and `1b`
+(1.5B's widths × 20 untied layers, the shape of the first GPU figures).
 
-Memory. `--memory` reports the peak trainer memory of one step of the
-Qwen2.5-0.5B-shaped model at 8 × 1,024 tokens: plain, chunked log-probs, chunked
-log-probs + remat, for each of `--memory-dtypes` (compute dtypes over float32 master
-weights), each measured in a fresh process by fnrl.trainer.peak beside the trainer's
-memory plan; a configuration whose plan is above `--memory-limit-gb` is not run (the
-plan stands as its estimate); `--layers` / `--batch` measure a smaller shape beside its
-own plan instead. At the full shape chunked log-probs + remat is measured (about 16 min
-a configuration on 2 busy cores); the others' plans are above the limit.
+Schedules (`--schedule`, auto: turns on a GPU, paced on CPU):
+  paced  A round starts one process per side, lets each compile and warm up in turn,
+         then has them take turns one step at a time in the order fnrl, torch, torch,
+         fnrl, ... (ABBA), while the other waits idle: a burst of load from other jobs on
+         a shared machine lands on both sides' steps of the same seconds instead of on
+         one side's whole run. Both processes live at once, so this is for CPUs only.
+  turns  A round runs each side's process to its end, one after the other: each has the
+         card to itself (JAX preallocates 75 % of a card by default, so a PyTorch
+         process beside it runs out of memory). The fnrl process gets
+         XLA_PYTHON_CLIENT_MEM_FRACTION=`--mem-fraction` of the card. A side that runs
+         out of memory is recorded as such and the other still runs; a torch side out of
+         memory is run again with gradient checkpointing (`--torch-remat auto`).
+The first side alternates within each pair of rounds, the pairs in seeded random order
+(benchmarks/rounds.py, `--seed`). A round's ratio is torch's median step over fnrl's (the
+fnrl/torch throughput ratio); the result is the median of the rounds' ratios with their
+min–max spread, beside (paced) the same ratio of CPU seconds per step (all threads), which
+counts work rather than waiting for a core. Both sides get the same CPUs and thread count
+(`--threads`; see fnrl.trainer.xla_flags), printed with the environment.
+
+MFU counts model FLOPs the PaLM / Megatron way: per token 6 × (matmul parameters: the
+q, k, v, o, gate, up, down and vocabulary projections; the embedding lookup is a gather)
++ 12 × layers × sequence length × heads × head dim for attention's two matmuls in the
+forward and backward pass, counted as if not causal (the convention MFU figures are
+usually quoted in; the JSON also has `mfu_causal`, attention halved). Peak: dense
+bfloat16 of the card (H100 SXM and H200 989 TFLOP/s).
+
+Memory. On a GPU each side reports its peak device memory (fnrl: peak_bytes_in_use of
+`device.memory_stats()`; torch: `torch.cuda.max_memory_allocated`), and fnrl's beside
+its plans: XLA's own, from the compiled step's `memory_analysis()` (arguments + outputs
+− donated aliases + temporaries), and fnrl.trainer.memory's. `--memory` instead reports
+the peak trainer (host) memory of one step of the Qwen2.5-0.5B-shaped model at 8 × 1,024
+tokens: plain, chunked log-probs, chunked log-probs + remat, for each of `--memory-dtypes`,
+each measured in a fresh process by fnrl.trainer.peak beside the trainer's memory plan;
+a configuration whose plan is above `--memory-limit-gb` is not run (the plan stands as
+its estimate); `--layers` / `--batch` measure a smaller shape beside its own plan instead.
 """
 
 from __future__ import annotations
@@ -42,193 +66,80 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_memory  # noqa: E402
 from rounds import Spread, environment, round_orders  # noqa: E402
 from rounds import load as _load  # noqa: E402
 
+from train_step_sides import NOT_MODEL as _NOT_MODEL  # noqa: E402
+from train_step_sides import run_fnrl, run_torch, trainer_xla_flags  # noqa: E402
+
 from fnrl.trainer.xla_flags import set_cpu_threads  # noqa: E402
 
+_QWEN25 = dict(vocab_size=151936, num_key_value_heads=2, tie_word_embeddings=True,
+               dtype="auto")
 PRESETS = {
     # Small enough for a 2-core CPU; big enough that matmuls, not dispatch, dominate.
     "cpu": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, batch=8, seq=128, dtype="float32",
                 tie_word_embeddings=False),
-    # Qwen2.5-1.5B's shape with fewer layers: ~1.0B parameters.
+    # Qwen2.5-1.5B's widths with 20 untied layers (~1.4B parameters): the first GPU figures.
     "1b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=20,
-               num_attention_heads=12, num_key_value_heads=2, batch=8, seq=2048, dtype="bfloat16",
+               num_attention_heads=12, num_key_value_heads=2, batch=8, seq=2048, dtype="auto",
                tie_word_embeddings=False),
-    # Qwen2.5-0.5B's real config (tied embeddings): the memory column's model.
-    "qwen0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                     num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                     batch=8, seq=1024, dtype="bfloat16", tie_word_embeddings=True),
+    # The real Qwen2.5 configs (HF config.json), 494M, 1.54B and 3.09B parameters.
+    "qwen0.5b": dict(_QWEN25, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, batch=8, seq=1024),
+    "qwen1.5b": dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                     num_attention_heads=12, batch=8, seq=2048),
+    "qwen3b": dict(_QWEN25, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                   num_attention_heads=16, batch=8, seq=2048),
+    # Qwen2.5-7B's widths and untied vocabulary with 8 of its 28 layers (~3.0B parameters).
+    "qwen7b-8l": dict(_QWEN25, vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                      num_hidden_layers=8, num_attention_heads=28, num_key_value_heads=4,
+                      tie_word_embeddings=False, batch=8, seq=2048),
 }
-_NOT_MODEL = ("batch", "seq", "dtype")
-# Dense bf16 peak of one GPU, for MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# Dense bfloat16 peak of one card, for MFU; the first name in the device's name wins.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+SIDES = ("fnrl", "torch")
+TORCH_COMPILE = "torch-compile"
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_rss_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _trainer_xla_flags() -> None:
-    """The XLA options the trainer role sets, so the step is measured as it runs there."""
-    try:
-        from fnrl.trainer.xla_flags import use_memory_scheduler
-    except ImportError:  # a tree from before the trainer set any (a "before" figure)
-        return
-    use_memory_scheduler()
-
-
-def model_flops_per_token(p: dict) -> float:
-    """6·(matmul params) + 12·layers·seq·hidden for attention scores (Chinchilla-style)."""
+def matmul_params(p: dict) -> int:
+    """Parameters that multiply activations: q, k, v, o, gate, up, down per layer and the
+    vocabulary projection (tied or not: the embedding lookup itself is a gather)."""
     E, I, L, V = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"], p["vocab_size"]
-    D = E // p["num_attention_heads"]
-    kv = p["num_key_value_heads"] * D
-    per_layer = E * E * 2 + 2 * E * kv + 3 * E * I  # q, o, k, v, gate/up/down
-    matmul_params = L * per_layer + E * V            # lm_head (the embedding is a gather)
-    return 6 * matmul_params + 12 * L * p["seq"] * E
+    H = p["num_attention_heads"]
+    D = p.get("head_dim") or E // H
+    per_layer = 2 * E * H * D + 2 * E * p["num_key_value_heads"] * D + 3 * E * I
+    return L * per_layer + E * V
 
 
-def _batch_numpy(p: dict, seed: int = 0):
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, p["vocab_size"], (p["batch"], p["seq"] + 1)).astype(np.int32)
-    mask = np.ones((p["batch"], p["seq"]), np.float32)
-    mask[:, : p["seq"] // 4] = 0.0  # a prompt quarter: trained on the response only
-    return {"input_BxT": tokens[:, :-1], "target_BxT": tokens[:, 1:], "mask_BxT": mask,
-            "behaviour_logp_BxT": np.full(mask.shape, -8.0, np.float32) * mask,
-            "adv_B": rng.standard_normal(p["batch"]).astype(np.float32)}
+def model_flops_per_token(p: dict, *, causal: bool = False) -> float:
+    """Training FLOPs per token: 6 × matmul params + attention's QKᵀ and AV, forward and
+    backward, 12 × layers × seq × heads × head dim (PaLM's count, the whole T × T square);
+    `causal`: half of it, the lower triangle a causal kernel computes."""
+    H = p["num_attention_heads"]
+    D = p.get("head_dim") or p["hidden_size"] // H
+    attention = 12 * p["num_hidden_layers"] * p["seq"] * H * D
+    return 6 * matmul_params(p) + (attention / 2 if causal else attention)
 
 
-def _time_steps(step, steps: int, warmup: int, paced: bool):
-    """(wall seconds of each timed step, CPU seconds of each (all threads), seconds of the
-    first call, compile included).
-
-    paced: the parent sends one line per step on stdin and reads each step's time
-    back, so two sides' steps interleave (see `speed`); else the steps run back to back.
-    """
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        step()
-    if paced:
-        print(json.dumps({"ready": first}), flush=True)
-    times, cpu = [], []
-    for _ in range(steps):
-        if paced and sys.stdin.readline().strip() != "step":
-            break
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        if paced:
-            print(json.dumps({"step_s": times[-1]}), flush=True)
-    return times, cpu, first
+def peak_flops(device: str) -> float | None:
+    """The card's dense bfloat16 FLOP/s from its name, None if not known."""
+    return next((v for k, v in PEAK_FLOPS if k in device), None)
 
 
-def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from fnrl.config import AlgoConfig
-    from fnrl.models.decoder import DecoderConfig, init_model
-    from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
-
-    base_mb = _rss_mb()
-    cfg = DecoderConfig(**{k: v for k, v in p.items() if k not in _NOT_MODEL})
-    dtype = jnp.bfloat16 if p["dtype"] == "bfloat16" else jnp.float32
-    graphdef, params = init_model(cfg, seed=0, dtype=dtype)  # f32 master weights
-    algo = AlgoConfig(learning_rate=1e-5)
-    optimizer = make_optimizer(algo)
-    state = jax.jit(lambda q: init_state(q, optimizer), donate_argnums=0)(params)
-    del params
-    step = compile_train_step(graphdef, optimizer, algo, None, None)
-    batch = jax.device_put(_batch_numpy(p))
-    box = {"state": state}
-
-    def one():
-        box["state"], box["metrics"] = step(box["state"], batch, None)
-        jax.block_until_ready(box["metrics"])
-
-    times, cpu, first = _time_steps(one, steps, warmup, paced)
-    device = jax.devices()[0]
-    stats = device.memory_stats() or {}
-    return {"step_s": times, "cpu_s": cpu, "first_call_s": first,
-            "loss": float(box["metrics"]["loss"]),
-            "device": device.device_kind, "platform": device.platform,
-            "peak_device_mb": stats.get("peak_bytes_in_use", 0) / 2**20,
-            "peak_rss_mb": _peak_rss_mb(), "base_rss_mb": base_mb,
-            "threads": len(os.sched_getaffinity(0)),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def run_torch(p: dict, steps: int, warmup: int, paced: bool = False) -> dict:
-    import numpy as np
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    base_mb = _rss_mb()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    cfg = Qwen2Config(**{k: v for k, v in p.items() if k not in _NOT_MODEL},
-                      max_position_embeddings=max(p["seq"], 512), attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(dev).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.0)
-    b = {k: torch.from_numpy(np.asarray(v)).to(dev) for k, v in _batch_numpy(p).items()}
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=p["dtype"] == "bfloat16")
-    box = {}
-
-    def step():
-        with amp:
-            logits = model(input_ids=b["input_BxT"].long()).logits
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, b["target_BxT"].long()[..., None])[..., 0]
-        ratio = torch.exp(logp - b["behaviour_logp_BxT"])
-        adv = b["adv_B"][:, None]
-        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
-        mask = b["mask_BxT"]
-        loss = (per_token * mask).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        box["loss"] = loss
-        if cuda:
-            torch.cuda.synchronize()
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times, cpu, first = _time_steps(step, steps, warmup, paced)
-    return {"step_s": times, "cpu_s": cpu, "first_call_s": first, "loss": float(box["loss"]),
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "platform": "gpu" if cuda else "cpu",
-            "peak_device_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0,
-            "peak_rss_mb": _peak_rss_mb(), "base_rss_mb": base_mb,
-            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
-
-
-def _child_cmd(side: str, args) -> list[str]:
+def _child_cmd(side: str, args, torch_remat: str = "none") -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--preset", args.preset,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--layers", args.layers)):
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--remat", args.remat, "--attention", args.attention, "--torch-remat", torch_remat]
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--layers", args.layers),
+                        ("--dtype", args.dtype)):
         if value:
             cmd += [flag, str(value)]
-    return cmd + ["--paced"]
+    return cmd
 
 
 class _PacedSide:
@@ -236,7 +147,7 @@ class _PacedSide:
 
     def __init__(self, side: str, args):
         self.side = side
-        self.proc = subprocess.Popen(_child_cmd(side, args), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(_child_cmd(side, args) + ["--paced"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def _line(self) -> dict:
@@ -261,70 +172,228 @@ class _PacedSide:
         return out
 
 
+def failure_kind(stderr: str) -> str:
+    """"oom" when a process died of device (or host) memory, else "error"."""
+    text = stderr.lower()
+    oom = ("resource_exhausted", "out of memory", "outofmemoryerror", "cuda_error_out_of_memory")
+    return "oom" if any(s in text for s in oom) else "error"
+
+
+def _run_alone(side: str, args, torch_remat: str) -> dict:
+    """One side's process run to its end with the device to itself: its result, or
+    {"error": the tail of its stderr, "kind": "oom" | "timeout" | "error"}."""
+    env = dict(os.environ)
+    if side == "fnrl" and args.mem_fraction and args.platform == "gpu":
+        # The old spelling is the one jaxlib reads; both set is reported to fail.
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+        env.pop("XLA_CLIENT_MEM_FRACTION", None)
+    try:
+        done = subprocess.run(_child_cmd(side, args, torch_remat), env=env, text=True,
+                              capture_output=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"no result in {args.child_timeout:.0f} s\n{tail}", "kind": "timeout"}
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"exited with {done.returncode}: {done.stderr[-2500:]}",
+                "kind": failure_kind(done.stderr)}
+    return json.loads(lines[-1])
+
+
+def _turns_round(order: tuple, args) -> dict:
+    """Each side alone on the device, one after the other; a torch side out of memory is
+    run again with gradient checkpointing under `--torch-remat auto`."""
+    got = {}
+    for name in order:
+        remat = "none" if args.torch_remat == "auto" else args.torch_remat
+        got[name] = _run_alone(name, args, remat)
+        if (name != "fnrl" and args.torch_remat == "auto" and
+                got[name].get("kind") == "oom"):
+            print(f"  {name} ran out of memory: again with gradient checkpointing", flush=True)
+            got[name] = {**_run_alone(name, args, "full"), "without_remat": "oom"}
+        print(f"  {name}: " + (f"failed ({got[name]['kind']})" if "error" in got[name] else
+                               f"{1e3 * statistics.median(got[name]['step_s']):.1f} ms/step"),
+              flush=True)
+    return got
+
+
+def _paced_round(order: tuple, args) -> dict:
+    """Both sides set up (compiled, warmed up) one at a time, then one step each in turn:
+    fnrl, torch, torch, fnrl, ... (the order reversed every other step)."""
+    sides = {}
+    for name in order:  # one at a time: each compiles while the other waits
+        sides[name] = _PacedSide(name, args)
+        sides[name].ready()
+    for i in range(args.steps):
+        for name in order if i % 2 == 0 else order[::-1]:
+            sides[name].step()
+    return {name: side.result() for name, side in sides.items()}
+
+
+def round_record(order: tuple, got: dict) -> dict:
+    """A round's results with each finished side's median step and CPU time, and the
+    fnrl/side throughput ratio of every side beside fnrl (None where either failed)."""
+    ok = {s: r for s, r in got.items() if "error" not in r and r.get("step_s")}
+    med = {s: statistics.median(r["step_s"]) for s, r in ok.items()}
+    cpu = {s: statistics.median(r["cpu_s"]) for s, r in ok.items()}
+    ratios = {s: med[s] / med["fnrl"] if s in med and "fnrl" in med else None
+              for s in got if s != "fnrl"}
+    cpu_ratio = (cpu["torch"] / cpu["fnrl"] if "torch" in cpu and "fnrl" in cpu and cpu["fnrl"]
+                 else None)
+    return {"first": order[0], "results": got, "median_s": med, "cpu_s": cpu,
+            "ratio": ratios.get("torch"), "ratios": ratios, "cpu_ratio": cpu_ratio}
+
+
+def summarize(rounds: list[dict], p: dict) -> dict:
+    """Per side: median ms/step over rounds, tokens/s, MFU (on a card whose peak is known),
+    peak device memory; fnrl's memory plans beside its peak; the ratios' spreads."""
+    tokens = p["batch"] * p["seq"]
+    flops = model_flops_per_token(p) * tokens
+    flops_causal = model_flops_per_token(p, causal=True) * tokens
+    sides: dict[str, dict] = {}
+    for side in rounds[0]["results"]:
+        per_round = [r["median_s"][side] for r in rounds if side in r["median_s"]]
+        runs = [r["results"][side] for r in rounds]
+        if not per_round:
+            failed = runs[-1]
+            sides[side] = {"error": failed.get("error", ""), "kind": failed.get("kind", "error")}
+            continue
+        last = next(x for x in reversed(runs) if "error" not in x)
+        sec = statistics.median(per_round)
+        peak = peak_flops(last["device"]) if last["platform"] == "gpu" else None
+        peaks_mb = [x["peak_device_mb"] for x in runs if x.get("peak_device_mb")]
+        row = {"ms_per_step": 1e3 * sec, "ms_low": 1e3 * min(per_round),
+               "ms_high": 1e3 * max(per_round), "tokens_per_s": tokens / sec,
+               "mfu": flops / sec / peak if peak else None,
+               "mfu_causal": flops_causal / sec / peak if peak else None,
+               "peak_device_gb": max(peaks_mb) * 2**20 / 1e9 if peaks_mb else None,
+               "peak_rss_gb": max(x["peak_rss_mb"] for x in runs if "error" not in x) * 2**20 / 1e9,
+               "device": last["device"], "platform": last["platform"],
+               "kernels": last.get("kernels", ""), "first_call_s": last["first_call_s"],
+               "rounds_failed": len(runs) - len(per_round)}
+        if side == "fnrl":
+            plan = last.get("xla_plan")
+            row.update(compile_s=last.get("compile_s"), trainer=last.get("trainer"),
+                       xla_plan_gb=plan["peak"] / 1e9 if plan else None, xla_plan=plan,
+                       fnrl_plan_gb=last["fnrl_plan_step_peak"] / 1e9,
+                       device_limit_gb=(last["device_limit_mb"] * 2**20 / 1e9
+                                        if last.get("device_limit_mb") else None))
+        else:
+            row.update(torch_remat=last.get("torch_remat"))
+        sides[side] = row
+    ratios = {}
+    for side in sides:
+        values = [r["ratios"][side] for r in rounds if r["ratios"].get(side)]
+        if side != "fnrl" and values:
+            ratios[side] = Spread.of(values)
+    return {"tokens_per_step": tokens, "flops_per_token": model_flops_per_token(p),
+            "flops_per_token_causal": model_flops_per_token(p, causal=True),
+            "sides": sides, "ratios": {s: vars(v) for s, v in ratios.items()},
+            "ratio_lines": {s: v.line() for s, v in ratios.items()}}
+
+
+def _gb(x) -> str:
+    return "–" if x is None else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
+def table_lines(summary: dict) -> list[str]:
+    """The final table: per side ms/step, tokens/s, MFU, peak GB; the ratios; fnrl's
+    memory plans beside its measured peak."""
+    lines = [f"{'side':14s} {'ms/step':>9s} {'tokens/s':>10s} {'MFU':>6s} {'peak GB':>8s}  "
+             f"device / kernels"]
+    for side, row in summary["sides"].items():
+        if "error" in row:
+            first = row["error"].strip().splitlines()
+            lines.append(f"{side:14s} {'failed: ' + row['kind']:>36s}  "
+                         f"{first[-1][:150] if first else ''}")
+            continue
+        mfu = f"{100 * row['mfu']:5.1f}%" if row["mfu"] is not None else "–"
+        peak = row["peak_device_gb"] if row["peak_device_gb"] is not None else row["peak_rss_gb"]
+        where = "" if row["peak_device_gb"] is not None else " (host RSS)"
+        lines.append(f"{side:14s} {row['ms_per_step']:9.1f} {row['tokens_per_s']:10,.0f} "
+                     f"{mfu:>6s} {_gb(peak):>8s}  {row['device']}: {row['kernels']}{where}")
+    for side, line in summary["ratio_lines"].items():
+        lines.append(f"ratio fnrl/{side} tokens per second: {line}")
+    fnrl = summary["sides"].get("fnrl", {})
+    if "error" not in fnrl and fnrl:
+        plan = fnrl.get("xla_plan")
+        measured = fnrl["peak_device_gb"]
+        text = (f"fnrl memory: XLA plan {_gb(fnrl['xla_plan_gb'])} GB" +
+                (f" (arguments {plan['argument'] / 1e9:.2f} + outputs {plan['output'] / 1e9:.2f}"
+                 f" − aliased {plan['alias'] / 1e9:.2f} + temporaries {plan['temp'] / 1e9:.2f})"
+                 if plan else "") +
+                f", fnrl.trainer.memory plan {fnrl['fnrl_plan_gb']:.2f} GB")
+        if measured is not None:
+            ratio = f" ({measured / fnrl['xla_plan_gb']:.2f}× XLA's plan)" if fnrl["xla_plan_gb"] else ""
+            text += f"; measured peak_bytes_in_use {measured:.1f} GB{ratio}"
+            if fnrl.get("device_limit_gb"):
+                text += f" of {fnrl['device_limit_gb']:.1f} GB the allocator may use"
+        lines.append(text)
+    return lines
+
+
 def _preset(args) -> dict:
     p = dict(PRESETS[args.preset])
-    overrides = (("batch", args.batch), ("seq", args.seq), ("num_hidden_layers", args.layers))
+    overrides = (("batch", args.batch), ("seq", args.seq), ("num_hidden_layers", args.layers),
+                 ("dtype", args.dtype))
     for key, value in overrides:
         if value:
             p[key] = value
     return p
 
 
-def speed(args, p: dict) -> None:
-    """Rounds of paired processes, steps interleaved ABBA; per-round ratios, median, spread.
+def probe_platform() -> tuple[str, str]:
+    """(platform, device name) of JAX's first device, asked of a child process with
+    preallocation off, so this process never holds the card its children need."""
+    code = "import jax; d = jax.devices()[0]; print(d.platform, d.device_kind, sep='|')"
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    platform, device = out.split("|", 1)
+    return platform, device
 
-    Both sides of a round are set up (compiled, warmed up) first, then take turns one
-    step at a time, in the order fnrl, torch, torch, fnrl, ...: a burst of load from
-    other jobs lands on both sides' steps of the same seconds, not on one side's run.
-    """
+
+def speed(args, p: dict) -> dict:
+    """Rounds of one process per side, in turns (GPU) or paced ABBA (CPU); per-round
+    ratios, their median and spread; the final table. Returns everything (`--json`)."""
+    sides = SIDES + ((TORCH_COMPILE,) if args.torch_compile else ())
     rounds = []
-    for r, order in enumerate(round_orders(("fnrl", "torch"), args.rounds, seed=args.seed)):
+    for r, order in enumerate(round_orders(sides, args.rounds, seed=args.seed)):
         load_start = _load()
-        sides = {}
-        for name in order:  # one at a time: each compiles while the other waits
-            sides[name] = _PacedSide(name, args)
-            sides[name].ready()
-        for i in range(args.steps):
-            for name in order if i % 2 == 0 else order[::-1]:
-                sides[name].step()
-        got = {name: side.result() for name, side in sides.items()}
-        med = {s: statistics.median(got[s]["step_s"]) for s in got}
-        cpu = {s: statistics.median(got[s]["cpu_s"]) for s in got}
-        rounds.append({"first": order[0], "results": got, "median_s": med, "cpu_s": cpu,
-                       "ratio": med["torch"] / med["fnrl"],
-                       "cpu_ratio": cpu["torch"] / cpu["fnrl"]})
-        print(f"round {r + 1}/{args.rounds} ({order[0]} first): fnrl {1e3 * med['fnrl']:7.1f} ms  "
-              f"torch {1e3 * med['torch']:7.1f} ms  ratio {rounds[-1]['ratio']:.2f}  "
-              f"(CPU time: fnrl {1e3 * cpu['fnrl']:.0f} ms, torch {1e3 * cpu['torch']:.0f} ms, "
-              f"ratio {rounds[-1]['cpu_ratio']:.2f}; threads fnrl {got['fnrl']['threads']} "
-              f"torch {got['torch']['threads']}; load {load_start} -> {_load()})", flush=True)
-    tokens = p["batch"] * p["seq"]
-    flops = model_flops_per_token(p) * tokens
-    for side in ("fnrl", "torch"):
-        per_round = [x["median_s"][side] for x in rounds]
-        last = rounds[-1]["results"][side]
-        sec = statistics.median(per_round)
-        if side == "fnrl":
-            print(f"fnrl's XLA_FLAGS: {last['xla_flags']!r}")
-        line = (f"{side:6s} {last['device']:>10s}  median {1e3 * sec:8.1f} ms/step "
-                f"(rounds {1e3 * min(per_round):.1f}–{1e3 * max(per_round):.1f})  "
-                f"{tokens / sec:9.0f} tokens/s  peak RSS {last['peak_rss_mb']:6.0f} MB")
-        if last["platform"] == "gpu":
-            peak = next((v for k, v in PEAK_FLOPS.items() if k in last["device"]), None)
-            mfu = flops / sec / peak if peak else float("nan")
-            line += f"  peak device memory {last['peak_device_mb']:.0f} MB  MFU {100 * mfu:.1f}%"
-        print(line)
-    ratios = Spread.of([x["ratio"] for x in rounds])
-    print(f"ratio fnrl/torch tokens per second: {ratios.line()}  (goal >= 1.0)")
-    # CPU seconds count work, not waiting for a core, so other jobs move them less; with
-    # more than one thread they also count a pool's spinning.
-    print(f"ratio of CPU time per step, torch/fnrl: "
-          f"{Spread.of([x['cpu_ratio'] for x in rounds]).line()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"preset": p, "rounds": rounds}, f, indent=1)
-
-
+        got = (_turns_round if args.schedule == "turns" else _paced_round)(order, args)
+        rounds.append(round_record(order, got))
+        med, rec = rounds[-1]["median_s"], rounds[-1]
+        line = "  ".join(f"{s} {1e3 * med[s]:7.1f} ms" if s in med else f"{s} failed"
+                         for s in sides)
+        ratio = f"ratio {rec['ratio']:.2f}" if rec["ratio"] else "ratio –"
+        extra = ""
+        if args.schedule == "paced":
+            cpu = rec["cpu_s"]
+            extra = (f" (CPU time: fnrl {1e3 * cpu['fnrl']:.0f} ms, torch {1e3 * cpu['torch']:.0f}"
+                     f" ms, ratio {rec['cpu_ratio']:.2f}; threads fnrl {got['fnrl']['threads']} "
+                     f"torch {got['torch']['threads']})")
+        print(f"round {r + 1}/{args.rounds} ({order[0]} first): {line}  {ratio}{extra}; "
+              f"load {load_start} -> {_load()}", flush=True)
+    summary = summarize(rounds, p)
+    fnrl = rounds[-1]["results"]["fnrl"]
+    if "error" not in fnrl:
+        print(f"fnrl's XLA_FLAGS: {fnrl['xla_flags']!r}"
+              + (f", XLA_PYTHON_CLIENT_MEM_FRACTION={fnrl['mem_fraction']}"
+                 if fnrl.get("mem_fraction") else ""))
+    print("\n".join(table_lines(summary)))
+    if args.schedule == "paced":
+        # CPU seconds count work, not waiting for a core, so other jobs move them less;
+        # with more than one thread they also count a pool's spinning.
+        print(f"ratio of CPU time per step, torch/fnrl: "
+              f"{Spread.of([x['cpu_ratio'] for x in rounds]).line()}")
+    return {"preset": args.preset, "config": p, "schedule": args.schedule,
+            "platform": args.platform, "device": args.device,
+            "peak_flops": peak_flops(args.device), "steps": args.steps, "warmup": args.warmup,
+            "environment": environment(), "mfu_convention": (
+                "6 x matmul params + 12 x layers x seq x heads x head_dim per token "
+                "(attention counted non-causal, PaLM); mfu_causal halves attention"),
+            "summary": summary, "rounds": rounds}
 def memory(args, p: dict) -> None:
     """Peak trainer memory per configuration, each in a fresh process (train_memory).
 
@@ -375,17 +444,39 @@ def memory(args, p: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    parser.add_argument("--preset", choices=list(PRESETS), default=None,
                         help="default: cpu, or qwen0.5b with --memory")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
     parser.add_argument("--batch", type=int, default=0)
     parser.add_argument("--seq", type=int, default=0)
     parser.add_argument("--layers", type=int, default=0, help="override num_hidden_layers")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="",
+                        help="compute dtype of both sides (default: the preset's; auto: "
+                             "bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--remat", choices=("auto", "none", "dots", "full"), default="auto",
+                        help="fnrl's TrainerConfig.remat")
+    parser.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                        help="fnrl's TrainerConfig.attention")
+    parser.add_argument("--torch-remat", choices=("auto", "none", "full"), default="auto",
+                        help="torch's gradient checkpointing (auto: none, and full after an "
+                             "out-of-memory in turns)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also time a torch.compile'd model (a third side)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of one process per side, order alternating (ABBA)")
     parser.add_argument("--repeats", type=int, default=0, help=argparse.SUPPRESS)  # old name
     parser.add_argument("--seed", type=int, default=0, help="seed of the rounds' side order")
+    parser.add_argument("--schedule", choices=("auto", "paced", "turns"), default="auto",
+                        help="paced: steps interleaved ABBA (CPU); turns: each process alone "
+                             "on the device (GPU); auto: by platform")
+    parser.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="the device the sides run on (auto: asked of JAX in a child)")
+    parser.add_argument("--mem-fraction", type=float, default=0.9,
+                        help="turns: XLA_PYTHON_CLIENT_MEM_FRACTION of the fnrl process "
+                             "(0: JAX's default)")
+    parser.add_argument("--child-timeout", type=float, default=1800,
+                        help="turns: seconds a side's process may take")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="CPUs and intra-op threads for both sides (default: all allowed)")
     parser.add_argument("--memory", action="store_true", help="the peak-memory column instead")
@@ -394,8 +485,9 @@ def main() -> None:
     parser.add_argument("--memory-limit-gb", type=float, default=20.0,
                         help="--memory runs only configurations estimated below this")
     parser.add_argument("--only", default="", help="--memory: only the configuration of this name")
-    parser.add_argument("--json", default="", help="write every round's raw timings here")
-    parser.add_argument("--side", choices=("fnrl", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", default="", help="write the summary and every round's raw "
+                                                   "timings here")
+    parser.add_argument("--side", choices=(*SIDES, TORCH_COMPILE), help=argparse.SUPPRESS)
     parser.add_argument("--paced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.preset = args.preset or ("qwen0.5b" if args.memory else "cpu")
@@ -405,17 +497,35 @@ def main() -> None:
     if args.side:  # child process: one side, one JSON line
         set_cpu_threads(args.threads)  # before JAX or torch starts its thread pools
         if args.side == "fnrl":
-            _trainer_xla_flags()
-        fn = run_fnrl if args.side == "fnrl" else run_torch
-        print(json.dumps(fn(p, args.steps, args.warmup, args.paced)))
+            trainer_xla_flags()
+            out = run_fnrl(p, args.steps, args.warmup, args.paced, remat=args.remat,
+                           attention=args.attention)
+        else:
+            out = run_torch(p, args.steps, args.warmup, args.paced, remat=args.torch_remat,
+                            compile_model=args.side == TORCH_COMPILE)
+        print(json.dumps(out))
         return
 
+    args.device = ""
+    if not args.memory:
+        if args.platform == "auto":
+            args.platform, args.device = probe_platform()
+        if args.schedule == "auto":
+            args.schedule = "paced" if args.platform == "cpu" else "turns"
     print(f"preset={args.preset} batch={p['batch']} seq={p['seq']} dtype={p['dtype']} "
           f"layers={p['num_hidden_layers']} hidden={p['hidden_size']} vocab={p['vocab_size']} "
           f"threads={args.threads} (of {os.cpu_count()} CPUs) "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+          + ("" if args.memory else f" platform={args.platform} {args.device} "
+                                    f"schedule={args.schedule}"))
     print(environment(), flush=True)
-    (memory if args.memory else speed)(args, p)
+    if args.memory:
+        memory(args, p)
+    else:
+        result = speed(args, p)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     print(f"load average at end: {_load()}")
 
 

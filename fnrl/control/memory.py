@@ -158,7 +158,7 @@ def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
     raise ValueError(
         f"the job needs {plan.total_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} GiB "
         f"is available: {each}. To fit: --trainer.logprob-chunk (e.g. 1024), "
-        "--trainer.remat, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
+        "--trainer.remat full, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
         "--model.max-seq-len, --rollout.dtype bfloat16, --rollout.max-num-seqs, "
         "--relay.keep-versions 1, fewer servers or relays, --eval.server rollout (evaluate "
         "on an idle rollout instead of a server of its own).")
