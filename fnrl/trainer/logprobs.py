@@ -70,9 +70,12 @@ def _fused_logprobs(with_entropy: bool, temperature: float, h_NxBxCxE, target_Nx
 
 
 def _fused_forward(with_entropy, temperature, h_NxBxCxE, target_NxBxC, kernel_VxE):
+    # Cast once, outside the loop: inside it every chunk would convert the whole V×E.
+    kernel_c_VxE = kernel_VxE.astype(h_NxBxCxE.dtype)
+
     def chunk(args):
         h_BxCxE, target_BxC = args
-        return _softmax_stats(_logits(h_BxCxE, kernel_VxE) / temperature, target_BxC,
+        return _softmax_stats(_logits(h_BxCxE, kernel_c_VxE) / temperature, target_BxC,
                               with_entropy)
 
     logp_NxBxC, logz_NxBxC, entropy_NxBxC = jax.lax.map(chunk, (h_NxBxCxE, target_NxBxC))
@@ -84,10 +87,11 @@ def _fused_backward(with_entropy, temperature, residuals, cotangents):
     h_NxBxCxE, target_NxBxC, kernel_VxE, logz_NxBxC = residuals
     g_logp_NxBxC, g_entropy_NxBxC = cotangents
     V = kernel_VxE.shape[0]
+    kernel_c_VxE = kernel_VxE.astype(h_NxBxCxE.dtype)   # once, as in the forward pass
 
     def chunk(dkernel_VxE, args):
         h_BxCxE, target_BxC, logz_BxC, g_logp_BxC, g_entropy_BxC = args
-        z_BxCxV = _logits(h_BxCxE, kernel_VxE) / temperature
+        z_BxCxV = _logits(h_BxCxE, kernel_c_VxE) / temperature
         p_BxCxV = jnp.exp(z_BxCxV - logz_BxC[..., None])
         # d log p(t)/dz = onehot(t) - p, and d H/dz = -p·(z - Σ p·z): Σ p·z is summed
         # again here rather than taken as log Z - H, whose cancellation costs digits.
@@ -101,7 +105,7 @@ def _fused_backward(with_entropy, temperature, residuals, cotangents):
         # In the trunk's dtype for the two matmuls, as autodiff of _project would be
         # (bfloat16 tensor cores on a bfloat16 trunk), accumulated in float32.
         dlogits_BxCxV = (dz_BxCxV / temperature).astype(h_BxCxE.dtype)
-        dh_BxCxE = jnp.einsum("bcv,ve->bce", dlogits_BxCxV, kernel_VxE.astype(h_BxCxE.dtype),
+        dh_BxCxE = jnp.einsum("bcv,ve->bce", dlogits_BxCxV, kernel_c_VxE,
                               preferred_element_type=jnp.float32).astype(h_BxCxE.dtype)
         dkernel_VxE = dkernel_VxE + jnp.einsum("bcv,bce->ve", dlogits_BxCxV, h_BxCxE,
                                                preferred_element_type=jnp.float32)
