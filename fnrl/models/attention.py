@@ -145,8 +145,11 @@ def _cudnn(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, max_segments: int):
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
     lengths_BxM, starts_BxM1 = segment_runs(segment_ids_BxT, max_segments)
     D = q_BxTxHxD.shape[-1]
-    return dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, None, None,
-                                 lengths_BxM, lengths_BxM, starts_BxM1, starts_BxM1,
+    # Every position is in a run (the padding tail too): cuDNN leaves positions outside
+    # every run undefined, and they would reach the loss as NaN times a zero mask.
+    return dot_product_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD,
+                                 q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
+                                 q_offsets=starts_BxM1, kv_offsets=starts_BxM1,
                                  scale=float(D**-0.5), mask_type=MaskType.PADDING_CAUSAL)
 
 
