@@ -13,6 +13,7 @@ import pytest
 from fnrl.models.attention import check_segment_count, segment_runs
 from fnrl.models.decoder import DecoderConfig, Kernels, forward, init_model
 from fnrl.models.synthetic import SMALL_SHAPES, random_params
+from tolerances import assert_close
 
 VOCAB = 97
 LENGTHS = ((9, 5, 11), (7, 14))   # sequences packed per row, then padding to T
@@ -86,19 +87,15 @@ def _packed_vs_unpacked(cfg, dtype, **kernels):
     return packed, unpacked
 
 
-def _tolerance(dtype):
-    return (dict(rtol=2e-2, atol=2e-3) if jnp.dtype(dtype) == jnp.bfloat16
-            else dict(rtol=1e-5, atol=1e-6))
-
-
 def _assert_same(a, b, dtype):
     (loss_a, grads_a), (loss_b, grads_b) = a, b
-    tol = _tolerance(dtype)
-    np.testing.assert_allclose(loss_a, loss_b, **tol)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol), grads_a, grads_b)
+    name = jnp.dtype(dtype).name
+    assert_close(loss_a, loss_b, name)
+    jax.tree.map(lambda x, y: assert_close(x, y, name), grads_a, grads_b)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads_a)) > 1e-3
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("remat", ["none", "dots"])
 def test_packed_rows_equal_the_sequences_unpacked_xla(family, remat):
