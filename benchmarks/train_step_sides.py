@@ -98,11 +98,13 @@ def xla_plan(compiled) -> dict | None:
 
 def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: str = "auto",
              attention: str = "auto") -> dict:
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
     from fnrl.config import AlgoConfig, TrainerConfig
-    from fnrl.models.decoder import DecoderConfig, init_model
+    from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
     from fnrl.trainer.memory import resolve_for_device, trainer_memory
     from fnrl.trainer.platform import describe, model_kernels
     from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
@@ -117,21 +119,42 @@ def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: st
                                                attention=attention),
                                  platform=device.platform, model=cfg, algo=algo,
                                  rows=p["batch"], length=p["seq"], device_bytes=limit)
+    optimizer = make_optimizer(algo)
+    batch = jax.device_put(_batch_numpy(p))
+
+    def model(tc):
+        return init_model(cfg, seed=0, dtype=jnp.dtype(tc.compute_dtype),
+                          param_dtype=jnp.dtype(tc.param_dtype), **model_kernels(tc))
+
+    def build(tc):
+        step = compile_train_step(abstract_model(cfg, dtype=jnp.dtype(tc.compute_dtype),
+                                                 param_dtype=jnp.dtype(tc.param_dtype),
+                                                 **model_kernels(tc))[0],
+                                  optimizer, algo, None, None, micro_batches=tc.micro_batches,
+                                  logprob_chunk=tc.logprob_chunk,
+                                  matmul_precision=tc.matmul_precision)
+        state = jax.eval_shape(lambda: init_state(model(tc)[1], optimizer))
+        return step.lower(state, batch, None).compile()
+
+    # Compiled ahead of time, on shapes alone: XLA's memory plan of the very executable
+    # that is timed. An automatic remat whose compiled plan exceeds the device's limit
+    # (the trainer's own plan was too low) moves on to the next policy.
+    t0 = time.perf_counter()
+    compiled = build(tc)
+    while remat == "auto" and limit and tc.remat != "full":
+        planned = xla_plan(compiled)
+        if planned is None or planned["peak"] <= limit:
+            break
+        why["remat"] = (f"{why['remat']}; XLA's compiled plan of {tc.remat}, "
+                        f"{planned['peak'] / 2**30:.1f} GiB, is over the limit")
+        tc = dataclasses.replace(tc, remat={"none": "dots", "dots": "full"}[tc.remat])
+        compiled = build(tc)
+    compile_s = time.perf_counter() - t0
     kernels = describe(tc, why)
     print(kernels, file=sys.stderr, flush=True)
-    graphdef, params = init_model(cfg, seed=0, dtype=jnp.dtype(tc.compute_dtype),
-                                  param_dtype=jnp.dtype(tc.param_dtype), **model_kernels(tc))
-    optimizer = make_optimizer(algo)
+    params = model(tc)[1]
     state = jax.jit(lambda q: init_state(q, optimizer), donate_argnums=0)(params)
     del params
-    step = compile_train_step(graphdef, optimizer, algo, None, None,
-                              micro_batches=tc.micro_batches, logprob_chunk=tc.logprob_chunk,
-                              matmul_precision=tc.matmul_precision)
-    batch = jax.device_put(_batch_numpy(p))
-    # Compiled ahead of time: XLA's memory plan of the very executable that is timed.
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch, None).compile()
-    compile_s = time.perf_counter() - t0
     box = {"state": state}
     del state
 
