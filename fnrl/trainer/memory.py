@@ -172,8 +172,10 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
     micro-batch holds rows / micro_batches of them) with `serve_dtype` weights published.
 
     "auto" fields of `trainer` are resolved for `platform` (fnrl.trainer.platform).
-    `device`: the accelerator's memory (the arrays alone, no process or host copies)
-    rather than the process's host memory."""
+    `device`: one accelerator's memory (the arrays alone, no process or host copies)
+    rather than the process's host memory: parameter-sized arrays are split over the
+    mesh's fsdp × tensor devices, rows over its data × fsdp ones (data -1 counts as 1:
+    the plan does not know how many devices are left over)."""
     if "auto" in (trainer.compute_dtype, trainer.remat, trainer.attention):
         trainer, _ = resolve_trainer(trainer, platform=platform, model=model)
     n = param_count(model)
@@ -221,8 +223,16 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
     save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
     if not device:
         resident.insert(2, ("process", PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n))
-    return TrainerMemory(resident=tuple(resident), backward=tuple(backward),
-                         update=tuple(update), save=save)
+        return TrainerMemory(resident=tuple(resident), backward=tuple(backward),
+                             update=tuple(update), save=save)
+    mesh = trainer.mesh
+    weights, rows_split = mesh.fsdp * mesh.tensor, mesh.fsdp * max(mesh.data, 1)
+
+    def per_device(items):
+        return tuple((name, -(-b // (rows_split if name.startswith(("activations", "logits"))
+                                     else weights))) for name, b in items)
+    return TrainerMemory(resident=per_device(resident), backward=per_device(backward),
+                         update=per_device(update), save=save)
 
 
 def resolve_for_device(trainer: TrainerConfig, *, platform: str, model: DecoderConfig,

@@ -1,5 +1,7 @@
 """The trainer's memory figures, against hand-computed ones for a tiny model."""
 
+import dataclasses
+
 import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
@@ -112,3 +114,17 @@ def test_the_plan_covers_the_measured_real_run():
     assert 12.89 * gib <= tm.peak_bytes <= 1.25 * (12.89 - 0.92) * gib
     small = trainer_memory(TINY, TrainerConfig(), AlgoConfig(), rows=4, length=8)
     assert dict(small.resident)["process"] == PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * 2024
+
+
+def test_device_plan_splits_weights_over_fsdp_and_rows_over_data():
+    """One accelerator's share under FSDP: parameter-sized arrays / (fsdp x tensor),
+    activations and logits / (data x fsdp), and no host process."""
+    from fnrl.config import MeshConfig
+    plain = TrainerConfig(compute_dtype="float32", remat="none", attention="xla")
+    one = trainer_memory(TINY, plain, AlgoConfig(), rows=8, length=8, device=True)
+    assert "process" not in dict(one.resident)
+    sharded = dataclasses.replace(plain, mesh=MeshConfig(data=2, fsdp=2, tensor=1))
+    four = trainer_memory(TINY, sharded, AlgoConfig(), rows=8, length=8, device=True)
+    assert dict(four.resident)["params"] == dict(one.resident)["params"] // 2
+    acts = [k for k in dict(one.backward) if k.startswith("activations")][0]
+    assert dict(four.backward)[acts] == dict(one.backward)[acts] // 4
