@@ -344,10 +344,11 @@ def _within_bounds(metrics: Mapping[str, jnp.ndarray], controls: Mapping[str, An
 def _with_matmul_precision(fn: Callable, precision: str) -> Callable:
     """`fn` traced under jax.default_matmul_precision(precision): the context is read
     when jit traces, so it must be entered inside the jitted function."""
-    @functools.wraps(fn)
     def traced(*args, **kwargs):
         with jax.default_matmul_precision(precision):
             return fn(*args, **kwargs)
+    # jit names the program (and its compilation-cache entry) after the function.
+    traced.__name__ = traced.__qualname__ = getattr(fn, "func", fn).__name__
     return traced
 
 
