@@ -48,6 +48,11 @@ def correct(old_logp_BxT: jnp.ndarray, batch: Batch, *, kind: str, tis_cap: floa
         w = jnp.exp(sequence_mean(log_w, batch))
         keep = ((w >= mask_low) & (w <= mask_high)).astype(mask.dtype)
     out.update(old_logp_BxT=old_logp_BxT, is_weight_BxT=weight, mask_BxT=mask * keep)
+    if "weight_BxT" in batch:
+        # Every term sums with the aggregation weights (fnrl.losses.core.aggregate), set
+        # from the whole batch before this: a rejected token must lose its weight too, or
+        # it keeps its full gradient in every term. Its slot is not handed to the others.
+        out["weight_BxT"] = batch["weight_BxT"] * keep
     metrics = {"is_weight_mean": token_mean(weight, mask),
                "masked_frac": token_mean(1.0 - keep, mask)}
     return out, metrics

@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fnrl.config import ADVANTAGE_NAMES, LOSS_TERM_NAMES, AlgoConfig
@@ -82,3 +83,33 @@ def test_estimator_runs_from_the_config(name):
     assert adv.shape == rewards.shape and np.isfinite(adv).all()
     assert adv[2].tolist() == [0.0] * 4                       # no signal, invalid sample
     assert (adv[0, [0, 3]] > 0).all() and (adv[0, [1, 2]] < 0).all()
+
+
+@pytest.mark.parametrize("kind", ["token_mask", "seq_mask"])
+def test_rejection_masks_reach_every_term_of_the_real_step(model, kind):
+    """A rejected token contributes no gradient to any term (policy, KL, entropy): with
+    every token rejected the step's gradient is zero; with none rejected it is the
+    uncorrected step's. (The masks used to narrow mask_BxT only, while every term summed
+    with the aggregation weights built before: rejecting all and none gave one update.)"""
+    graphdef, params = model
+    batch, logp = _batch(graphdef, params)
+    terms = (("ppo_clip", 1.0), ("gspo", 0.5), ("cispo", 0.5))
+
+    def grads(behaviour_logp_BxT, correction):
+        algo = AlgoConfig(learning_rate=1.0, loss_terms=terms, kl_coef=0.05,
+                          entropy_coef=0.05, correction=correction)
+        step = jax.jit(functools.partial(train_step, graphdef=graphdef,
+                                         optimizer=optax.sgd(1.0), loss_fn=build_objective(algo)))
+        state, metrics = step(init_state(params, optax.sgd(1.0)),
+                              dict(batch, behaviour_logp_BxT=behaviour_logp_BxT), params)
+        return jax.tree.map(lambda new, old: old - new, state.params, params), metrics
+
+    # w = π/μ: 1 everywhere (μ = π) is inside [0.5, 2]; e^-5 everywhere is outside.
+    none, _ = grads(logp, "none")
+    kept, kept_metrics = grads(logp, kind)
+    rejected, rejected_metrics = grads(logp + 5.0, kind)
+    assert float(kept_metrics["correction/masked_frac"]) == 0.0
+    assert float(rejected_metrics["correction/masked_frac"]) == 1.0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), kept, none)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(none)) > 1e-4
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(rejected))
