@@ -146,12 +146,13 @@ def place_params(params: dict, sharding: Any, dtype=None) -> dict:
 def token_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT: jnp.ndarray,
                    target_BxT: jnp.ndarray, positions_BxT: jnp.ndarray | None = None,
                    segment_ids_BxT: jnp.ndarray | None = None, *,
-                   logprob_chunk: int = 0, temperature: float = 1.0) -> jnp.ndarray:
+                   logprob_chunk: int = 0, temperature: float = 1.0, top_k: int = -1,
+                   top_p: float = 1.0) -> jnp.ndarray:
     """log π(target_t | input_≤t) for every position, in float32 (chunked over the
     sequence when logprob_chunk > 0: fnrl.trainer.logprobs), π = softmax(logits / T)."""
     return model_logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT,
                           segment_ids_BxT, chunk_tokens=logprob_chunk,
-                          temperature=temperature)[0]
+                          temperature=temperature, top_k=top_k, top_p=top_p)[0]
 
 
 def _model_inputs(batch):
@@ -188,8 +189,8 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
                controls: Mapping[str, Any] | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                loss_fn: Objective | Callable, micro_batches: int = 1,
                micro_sharding: jax.sharding.NamedSharding | None = None,
-               logprob_chunk: int = 0, temperature: float = 1.0,
-               critic_optimizer: optax.GradientTransformation | None = None,
+               logprob_chunk: int = 0, temperature: float = 1.0, top_k: int = -1,
+               top_p: float = 1.0, critic_optimizer: optax.GradientTransformation | None = None,
                value_trunk_grad: bool = False) -> tuple[TrainState, dict]:
     """One policy-gradient update on one batch. Pure: jit it once, with donation.
 
@@ -199,8 +200,8 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     frozen initial model) is needed only when the objective uses KL. `logprob_chunk`
     > 0 computes log-probs and entropy `logprob_chunk` tokens at a time, never holding
     a micro-batch's B×T×V logits (fnrl.trainer.logprobs). π (and the reference) is
-    softmax(logits / `temperature`), the sampling temperature: vLLM's behaviour log-probs
-    are those of the distribution it sampled from.
+    softmax(logits / `temperature`) on the `top_k` / `top_p` support: vLLM's behaviour
+    log-probs are those of the distribution it sampled from, truncated and renormalised.
 
     `controls` (the correctness gates, fnrl.trainer.controls): {"lr_scale": the update's
     multiplier, "max"/"min": {metric: bound}}. The update is kept only if every named
@@ -228,21 +229,23 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
         if needs_ref:
             mb = dict(mb, ref_logp_BxT=jax.lax.stop_gradient(token_logprobs(
                 graphdef, ref_params, *_model_inputs(mb), logprob_chunk=logprob_chunk,
-                temperature=temperature)))
+                temperature=temperature, top_k=top_k, top_p=top_p)))
 
         def loss_of(trainable):
             if with_values:
                 params, head = trainable
                 logp_BxT, entropy_BxT, values_BxT = model_logprobs_and_values(
                     graphdef, params, head, *_model_inputs(mb), chunk_tokens=logprob_chunk,
-                    with_entropy=with_entropy, temperature=temperature,
+                    with_entropy=with_entropy, temperature=temperature, top_k=top_k,
+                    top_p=top_p,
                     trunk_grad=value_trunk_grad)
                 inputs = dict(mb, values_BxT=values_BxT)
             else:
                 logp_BxT, entropy_BxT = model_logprobs(graphdef, trainable, *_model_inputs(mb),
                                                        chunk_tokens=logprob_chunk,
                                                        with_entropy=with_entropy,
-                                                       temperature=temperature)
+                                                       temperature=temperature,
+                                                       top_k=top_k, top_p=top_p)
                 inputs = mb
             prepared, prep_metrics = objective.prepare(logp_BxT, inputs)
             if with_entropy:
@@ -363,7 +366,8 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
     The result is called as step(state, batch, ref_params[, controls]); ref_params is
     None unless the config uses KL (then the frozen initial params, placed by
     `ref_sharding`); controls (replicated scalars) are the gates' (see `train_step`).
-    Log-probs are at `algo.temperature`, the one the rollouts sample with.
+    Log-probs are at `algo.temperature` on the `algo.top_k` / `algo.top_p` support: the
+    distribution the rollouts sample from, whose log-probs vLLM reports.
     """
     objective = objective if objective is not None else build_objective(algo)
     micro_sharding = None
@@ -375,6 +379,7 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, loss_fn=objective,
                              micro_batches=micro_batches, micro_sharding=micro_sharding,
                              logprob_chunk=logprob_chunk, temperature=algo.temperature,
+                             top_k=algo.top_k, top_p=algo.top_p,
                              critic_optimizer=critic_optimizer,
                              value_trunk_grad=algo.value_trunk_grad)
     if matmul_precision not in (None, "auto"):

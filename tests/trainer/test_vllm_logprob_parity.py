@@ -40,10 +40,14 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
                            tokenizer_dir=tiny_model_dir)
 
 
-@pytest.fixture(scope="module", params=[1.0, 0.7])
+@pytest.fixture(scope="module", params=[(1.0, -1, 1.0), (0.7, 5, 0.9)],
+                ids=["T1", "T0.7-topk5-topp0.9"])
 def completions(peaked_model_dir, tmp_path_factory, request):
-    """Samples at temperature 1 and 0.7: vLLM returns the log-probs of the distribution
-    it sampled from, which the trainer computes as softmax(logits / T)."""
+    """Samples at temperature 1, and at 0.7 with top-k 5 and top-p 0.9 together: vLLM
+    returns the log-probs of the distribution it sampled from, which the trainer computes
+    as softmax(logits / T) on the same support (before, the truncated run's ratio was the
+    kept mass on every token)."""
+    temperature, top_k, top_p = request.param
     spec = ServerSpec(model_dir=str(peaked_model_dir), port=free_port(), max_model_len=32,
                       max_num_seqs=16)
     proc = launch_server(spec, tmp_path_factory.mktemp("vllm") / "vllm.log")
@@ -53,7 +57,8 @@ def completions(peaked_model_dir, tmp_path_factory, request):
         async with aiohttp.ClientSession() as session:
             client = RolloutClient(spec.base_url, session)
             return await asyncio.gather(*[client.generate(p, n=4, max_tokens=12,
-                                                          temperature=request.param, seed=i)
+                                                          temperature=temperature, seed=i,
+                                                          top_k=top_k, top_p=top_p)
                                           for i, p in enumerate(prompts)])
     try:
         wait_ready(spec.base_url, proc, timeout_s=300)
@@ -63,14 +68,15 @@ def completions(peaked_model_dir, tmp_path_factory, request):
 
 
 def test_trainer_logprobs_match_vllm_within_1e3(peaked_model_dir, completions):
-    prompts, groups, temperature = completions
+    prompts, groups, (temperature, top_k, top_p) = completions
     _, graphdef, params = load_pretrained(peaked_model_dir)
     diffs, values = [], []
     for prompt, group in zip(prompts, groups):
         for c in group:
             tokens = np.array(prompt + c.token_ids, np.int32)[None]
             logp = np.asarray(token_logprobs(graphdef, params, tokens[:, :-1], tokens[:, 1:],
-                                             temperature=temperature))[0]
+                                             temperature=temperature, top_k=top_k,
+                                             top_p=top_p))[0]
             ours = logp[len(prompt) - 1:]
             diffs.extend(np.abs(ours - np.array(c.logprobs)))
             values.extend(c.logprobs)
@@ -81,10 +87,11 @@ def test_trainer_logprobs_match_vllm_within_1e3(peaked_model_dir, completions):
 
 
 def test_train_step_reports_the_mismatch(peaked_model_dir, completions):
-    prompts, groups, temperature = completions
+    prompts, groups, (temperature, top_k, top_p) = completions
     samples = [[Sample(p, c.token_ids, c.logprobs, (0,) * len(c.token_ids), float(i % 2))
                 for i, c in enumerate(group)] for p, group in zip(prompts, groups)]
-    algo = AlgoConfig(group_size=4, groups_per_step=4, max_new_tokens=12, temperature=temperature)
+    algo = AlgoConfig(group_size=4, groups_per_step=4, max_new_tokens=12, temperature=temperature,
+                      top_k=top_k, top_p=top_p)
     batch, _ = build_batch(samples, algo=algo, trainer=TrainerConfig(), seq_len=24, pad_id=0)
     _, graphdef, params = load_pretrained(peaked_model_dir)
     opt = make_optimizer(algo)
