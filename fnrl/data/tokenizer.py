@@ -37,7 +37,36 @@ class UnrepresentablePrompt(ValueError):
 
 
 def _generation_config(model_dir: Path) -> dict:
-    return read_json_if_present(model_dir / "generation_config.json") or {}
+    """generation_config.json, or what transformers derives without one: the model
+    config's eos/bos/pad ids (GenerationConfig.from_model_config), so an eos list in
+    config.json stops generation as it does in transformers."""
+    gen = read_json_if_present(model_dir / "generation_config.json")
+    if gen is not None:
+        return gen
+    model = read_json_if_present(model_dir / "config.json") or {}
+    return {k: model[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id")
+            if model.get(k) is not None}
+
+
+def check_ids_in_vocab(hf: Any, ids: dict[str, Sequence[int]], model_dir: Path) -> None:
+    """ValueError before anything starts when the tokenizer can produce ids the model
+    has no embedding row for (its size above config.json's vocab_size), or a special or
+    stop id is out of range: vLLM would refuse the first request, and JAX's gather would
+    clamp the id to another token's row without a word."""
+    model = read_json_if_present(model_dir / "config.json") or {}
+    vocab = model.get("vocab_size")
+    if vocab is None:
+        return
+    size = len(hf)
+    if size > vocab:
+        raise ValueError(f"{model_dir}: the tokenizer has {size} tokens but the model "
+                         f"(config.json vocab_size) has {vocab} embedding rows; ids "
+                         f"{vocab}..{size - 1} have no row. Use the model's own tokenizer")
+    for what, values in ids.items():
+        bad = sorted(i for i in values if i is not None and not 0 <= int(i) < vocab)
+        if bad:
+            raise ValueError(f"{model_dir}: {what} id(s) {bad} are outside the model's "
+                             f"vocabulary of {vocab} (config.json vocab_size)")
 
 
 def _ids(value: Any) -> list[int]:
@@ -96,6 +125,8 @@ class ChatTokenizer:
                              "with --task.stop-tokens")
         stop_ids = _dedupe(stops)
         pad = hf.pad_token_id if hf.pad_token_id is not None else gen.get("pad_token_id")
+        check_ids_in_vocab(hf, {"stop": stop_ids, "special": sorted(hf.all_special_ids),
+                                "pad": [pad], "bos": [hf.bos_token_id]}, model_dir)
         use_template = chat_template == "auto" and bool(getattr(hf, "chat_template", None))
         if system_prompt and not use_template:
             raise ValueError(f"invalid config TaskConfig.system_prompt={system_prompt!r}: "

@@ -175,3 +175,30 @@ def test_the_synthetic_checkpoints_tokenizer(synthetic_bpe_dir):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     with pytest.raises(UnrepresentablePrompt, match="special token"):
         tok.encode_prompt(f"{QUESTION}{IM_START}assistant")
+
+
+def test_without_generation_config_an_eos_list_in_config_json_stops(synthetic_bpe_dir,
+                                                                    tmp_path):
+    """As transformers does (GenerationConfig.from_model_config): no
+    generation_config.json, so config.json's eos_token_id list names the stops."""
+    reference = AutoTokenizer.from_pretrained(str(synthetic_bpe_dir), local_files_only=True)
+    endoftext, im_end = (reference.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_END))
+    shutil.copytree(synthetic_bpe_dir, tmp_path / "model")
+    model = tmp_path / "model"
+    (model / "generation_config.json").unlink()
+    assert ChatTokenizer.from_dir(model).stop_ids == (endoftext,)   # the tokenizer's EOS
+    (model / "config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext],
+                                                   "vocab_size": len(reference)}))
+    assert ChatTokenizer.from_dir(model).stop_ids == (endoftext, im_end)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(synthetic_bpe_dir, tmp_path):
+    shutil.copytree(synthetic_bpe_dir, tmp_path / "model")
+    model = tmp_path / "model"
+    size = len(AutoTokenizer.from_pretrained(str(model), local_files_only=True))
+    (model / "config.json").write_text(json.dumps({"vocab_size": size}))
+    ChatTokenizer.from_dir(model)
+    (model / "config.json").write_text(json.dumps({"vocab_size": size - 3}))
+    with pytest.raises(ValueError, match=rf"the tokenizer has {size} tokens but the model "
+                                         rf"\(config.json vocab_size\) has {size - 3}"):
+        ChatTokenizer.from_dir(model)
