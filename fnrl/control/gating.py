@@ -17,6 +17,7 @@ reads back so a lowered rate survives restarts).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -93,6 +94,8 @@ class Gating:
 
     def summary(self) -> dict:
         """The run summary's gate figures."""
-        return {"gate_firings": len(self.fired), "gate_lr_scale": self.state.lr_scale,
+        rules = Counter(r["rule"] for r in self.fired)
+        return {"gate_firings": len(self.fired), "gate_rules": dict(rules),
+                "gate_lr_scale": self.state.lr_scale,
                 "gate_rollbacks": self.state.rollbacks,
                 "gate_stopped": None if self.stop_report is None else self.stop_report["rule"]}

@@ -27,7 +27,7 @@ from fnrl.control.metrics import read_jsonl
 COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "migrations", "repacks",
               "reprefill_tokens",
               "pulls", "aborted", "dropped_groups", "consumed_groups", "speculative_resets",
-              "dynamic_sampling_dropped", "unfinished_at_end", "skipped_updates",
+              "dynamic_sampling_dropped", "unfinished_at_end", "skipped_updates", "refused_updates",
               "fault_interrupted", "train_retries", "steps_recovered_from_checkpoint",
               "pulls_skipped_down", "evals_lost", "evals_skipped", "recovered_groups",
               "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
@@ -124,6 +124,7 @@ def across_attempts(run_dir: Path) -> dict:
     and of the wall time: a role restart never pays it, so charging it to a job restart
     alone would compare restart kinds unequally (benchmarks/ettr.py)."""
     records = read_jsonl(run_dir / "attempts.jsonl")
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     starts = {r["attempt"]: r["epoch"] for r in records if r["event"] == "start"}
     evals = {r["attempt"]: r.get("eval_before_s", 0.0) for r in records if r["event"] == "start"}
     last = {r["attempt"]: r for r in records if r["event"] in ("progress", "end")}
@@ -141,5 +142,40 @@ def across_attempts(run_dir: Path) -> dict:
             "failures": sum(r.get("event") == "failure" for r in faults),
             "killed_attempts": sum(last[a]["event"] != "end" for a in order),
             "consumed_groups_all": len(read_jsonl(run_dir / "trajectories.jsonl")),
-            "train_records_all": sum(r.get("kind") == "train"
-                                     for r in read_jsonl(run_dir / "metrics.jsonl"))}
+            "train_records_all": len(train),
+            "refused_updates_all": sum(r.get("gate_refused", 0.0) == 1.0 for r in train)}
+
+
+REFUSAL_CAUSES = {
+    "mismatch_kl": "the trainer's log-probs disagree with the sampler's on the same weights: "
+                   "a sampling setting or model difference between trainer and servers "
+                   "(dtype, kernels, a tokenizer or chat template that differs), or weights "
+                   "that never reached the servers",
+    "is_weight": "importance weights far from 1: the trainer's log-probs disagree with the "
+                 "sampler's (see mismatch_kl), or the data are staler than the run allows",
+    "clip_frac": "most tokens clipped: a learning rate too high, or log-probs that disagree "
+                 "with the sampler's",
+    "grad_norm": "gradients above the bound on every step: a learning rate too high or a "
+                 "bound (--gates.max-grad-norm) too low for this model",
+    "nonfinite": "a NaN or Inf loss or gradient on every step: bad rewards or inputs, or an "
+                 "unstable loss setting",
+}
+
+
+def learned_nothing(summary: dict) -> str | None:
+    """The message of a run whose every update a correctness gate refused (its version
+    advanced, its weights never moved), naming the rules that fired and their likely
+    cause; None when at least one update was kept."""
+    steps = summary.get("train_records_all", summary.get("steps", 0))
+    refused = summary.get("refused_updates_all", summary.get("refused_updates", 0))
+    if not steps or refused < steps:
+        return None
+    rules = summary.get("gate_rules") or {}
+    named = ", ".join(f"{rule} ({count} firings)" for rule, count in
+                      sorted(rules.items(), key=lambda kv: -kv[1])) or "a gate"
+    causes = "; ".join(f"{rule}: {REFUSAL_CAUSES[rule]}" for rule in rules
+                       if rule in REFUSAL_CAUSES)
+    return (f"every one of the run's {steps} updates was refused by the correctness gates "
+            f"({named}): the weights never changed. Likely cause: "
+            f"{causes or 'see the gate records in metrics.jsonl'}. The figures of each "
+            "refusal are in metrics.jsonl (kind gate); --gates.rules chooses the rules")

@@ -130,6 +130,8 @@ class Training:
         skipped = result.version == cmd.version
         b.skipped_steps += skipped
         b.counts["skipped_updates"] += skipped
+        # Refused by a gate: the version advanced, the weights did not (fnrl.trainer.step).
+        b.counts["refused_updates"] += bool(result.metrics.get("gate_refused", 0.0))
         b.trainer_version = result.version
         b.steps_done += 1
         b.trained_tokens += stats["tokens"]

@@ -47,7 +47,7 @@ from fnrl.control.loop import Controller
 from fnrl.control.memory import (check_gpu_split, check_plan, jax_on_gpu, plan_local_gpu,
                                  plan_memory, read_gpus)
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
-from fnrl.control.report import across_attempts
+from fnrl.control.report import across_attempts, learned_nothing
 from fnrl.control.roles import Cluster, LocalLauncher, Stopped
 from fnrl.control.supervisor import JobRestart
 from fnrl.data.dataset import check_synthetic_prompts, load_task
@@ -410,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fnrl: stopped by the correctness gate {summary['gate_stopped']}; see "
               f"{Path(summary['run_dir']) / 'gates_stop.json'}", file=sys.stderr)
         return 3
+    nothing = learned_nothing(summary)
+    if nothing:
+        print(f"fnrl: {nothing}; run dir {summary['run_dir']}", file=sys.stderr)
+        return 4
     evals = [json.loads(l) for l in open(Path(summary["run_dir"]) / "metrics.jsonl")
              if '"kind": "eval"' in l]
     if evals:

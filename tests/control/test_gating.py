@@ -81,3 +81,22 @@ def test_a_failed_rollback_stops(tmp_path):
     _step(g, 1, **{"gate/rolled_back_to": -1.0})
     assert g.stop_report["rule"] == "rollback"
     journal.close()
+
+
+def test_a_run_whose_every_update_was_refused_says_so_and_exits_4(monkeypatch, tmp_path, capsys):
+    """The gates refused every update (the versions advanced, the weights never moved):
+    the job does not end as a success reporting its steps, it names the rule and cause."""
+    from fnrl.control.report import learned_nothing
+    from fnrl.experiments import math_grpo
+
+    summary = {"steps": 5, "train_records_all": 5, "refused_updates_all": 5,
+               "refused_updates": 5, "gate_rules": {"mismatch_kl": 5}, "gate_stopped": None,
+               "run_dir": str(tmp_path)}
+    message = learned_nothing(summary)
+    assert "every one of the run's 5 updates was refused" in message
+    assert "mismatch_kl (5 firings)" in message and "log-probs disagree" in message
+    assert learned_nothing({**summary, "refused_updates_all": 4}) is None
+    assert learned_nothing({**summary, "train_records_all": 0, "steps": 0}) is None
+    monkeypatch.setattr(math_grpo, "run", lambda cfg: summary)
+    assert math_grpo.main([]) == 4
+    assert "mismatch_kl" in capsys.readouterr().err

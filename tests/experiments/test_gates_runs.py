@@ -49,6 +49,10 @@ def test_wrong_behaviour_logprobs_are_skipped_at_their_step(tmp_path, cache_dir)
     assert all(_actions(g) == ["skip"] for g in gates)
     refused = [r["step"] for r in _train(tmp_path) if r["gate_refused"] == 1.0]
     assert refused == [3]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["refused_updates"] == summary["refused_updates_all"] == 1
+    assert summary["skipped_updates"] == 0 and set(summary["gate_rules"]) <= {
+        "mismatch_kl", "is_weight", "clip_frac"}
     journal = [json.loads(l) for l in (tmp_path / "journal.jsonl").read_text().splitlines()]
     assert any(j["ev"] == "gate" and j["version"] == 3 for j in journal)
 
