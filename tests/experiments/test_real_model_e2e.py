@@ -119,3 +119,37 @@ def test_a_gsm8k_run_on_a_sharded_chat_model(tmp_path, taught_model):
     # The taught answers end "#### N\nAsk me about 5 more.": graded right only when the
     # marked answer is extracted (the last number would be 5).
     assert evals[0]["step"] == 0 and evals[0]["accuracy"] >= 0.75, evals[0]
+
+
+def test_evaluate_any_model_directory_on_a_jsonl_and_a_parquet_file(tmp_path, taught_model,
+                                                                    capsys):
+    """`python -m fnrl.experiments.evaluate --model.model-dir D --task.dataset F`: the
+    held-out rows of either file format scored on a fresh server with the run's grading
+    (greedy and pass@k), a JSON report and a plot; the same rows give the same scores."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fnrl.experiments.evaluate import main as evaluate
+
+    model_dir, data, rows = taught_model
+    parquet = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    reports = []
+    for path in (data, parquet):
+        out = tmp_path / path.suffix.lstrip(".")
+        assert evaluate(["--model.model-dir", str(model_dir), "--task.dataset", str(path),
+                         "--task.prompt-key", "question", "--task.answer-key", "answer",
+                         "--task.num-eval", str(EVAL), "--eval.samples", "2",
+                         "--algo.max-new-tokens", str(MAX_NEW), "--run-dir", str(out)]) == 0
+        report = json.loads((out / "evaluation.json").read_text())
+        assert (out / "evaluation.png").stat().st_size > 0
+        assert report["model_dir"] == str(model_dir) and report["dataset"] == str(path)
+        reports.append(report["scores"])
+    printed = capsys.readouterr().out
+    assert f"evaluated {EVAL * 3}/{EVAL * 3} responses" in printed and "greedy accuracy" in printed
+    jsonl, par = reports
+    assert jsonl["num_problems"] == par["num_problems"] == EVAL
+    assert jsonl["samples_per_problem"] == 2 and {"pass@1", "pass@2", "mean@2"} <= set(jsonl)
+    # The taught model answers its rows (as the run's own eval record says, >= 75 %).
+    assert jsonl["accuracy"] >= 0.75 and par["accuracy"] == jsonl["accuracy"]
+    assert evaluate(["--task.dataset", str(data)]) == 2   # no model named
