@@ -302,9 +302,10 @@ class Controller:
         if self.eval_lane is not None:   # published before the step returned
             self.eval_lane.version_trained(b.trainer_version)
         self.attempts.write("progress", self.svc.clock.epoch(), **self._progress(now))
-        acc = b.last_eval["accuracy"] if b.last_eval else float("nan")
-        self.bar.set_postfix(reward=f"{stats['reward_mean']:.2f}", acc=f"{100 * acc:.0f}%",
-                             stale=f"{stats['staleness_mean']:.2f}")
+        shown = dict(reward=f"{stats['reward_mean']:.2f}")
+        if b.last_eval:   # no accuracy yet, or evaluation off: none shown (not "nan%")
+            shown["acc"] = f"{100 * b.last_eval['accuracy']:.0f}%"
+        self.bar.set_postfix(**shown, stale=f"{stats['staleness_mean']:.2f}")
         self.bar.update(1)
 
     def _progress(self, wall: float) -> dict:

@@ -330,6 +330,8 @@ def report_bad_rows(files: Sequence[Rows], path: Path) -> None:
             if rows.bad:
                 shown = ", ".join(str(b.row) for b in rows.bad[:10])
                 more = f" and {len(rows.bad) - 10} more" if len(rows.bad) > 10 else ""
-                print(f"fnrl: skipped {len(rows.bad)} of {rows.lines} rows of {rows.file} "
+                # Rows, not lines: a blank line is neither good nor bad.
+                total = len(rows.problems) + len(rows.bad)
+                print(f"fnrl: skipped {len(rows.bad)} of {total} rows of {rows.file} "
                       f"(rows {shown}{more}; first: {rows.bad[0].reason}); see {path}",
                       flush=True)

@@ -422,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * last['accuracy']:.1f}% (version {last['step']}); "
               f"{summary['steps']} steps in {summary['wall_s_all_attempts']:.0f}s; "
               f"run dir {summary['run_dir']}")
+    else:   # --eval.server off, or no evaluation finished: the run's end is still said
+        print(f"{summary['steps']} steps in {summary.get('wall_s_all_attempts', 0.0):.0f}s (no held-out "
+              f"evaluation); run dir {summary['run_dir']}")
     return 0
 
 

@@ -146,7 +146,8 @@ def test_load_task_reports_bad_rows_once_and_keeps_the_synthetic_default(tmp_pat
         (str(path), 5 + i, why) for i, (_, why) in enumerate(BAD)]
     out = capsys.readouterr().out
     assert out.count("fnrl: skipped") == 1
-    assert f"skipped 9 of 16 rows of {path} (rows 5, 6, 7, 8, 9, 10, 11, 12, 13;" in out
+    # 16 lines, one of them blank: 15 rows.
+    assert f"skipped 9 of 15 rows of {path} (rows 5, 6, 7, 8, 9, 10, 11, 12, 13;" in out
     with pytest.raises(BadRowError, match=r"train\.jsonl, row 5"):
         load_task(TaskConfig(dataset=str(path), on_bad_row="error"), seed=0,
                   prompt_tokens=len, prompt_budget=20, run_dir=tmp_path)
