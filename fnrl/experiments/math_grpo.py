@@ -423,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['steps']} steps in {summary['wall_s_all_attempts']:.0f}s; "
               f"run dir {summary['run_dir']}")
     else:   # --eval.server off, or no evaluation finished: the run's end is still said
-        print(f"{summary['steps']} steps in {summary.get('wall_s_all_attempts', 0.0):.0f}s (no held-out "
-              f"evaluation); run dir {summary['run_dir']}")
+        wall = summary.get("wall_s_all_attempts", 0.0)
+        print(f"{summary['steps']} steps in {wall:.0f}s (no held-out evaluation); "
+              f"run dir {summary['run_dir']}")
     return 0
 
 
