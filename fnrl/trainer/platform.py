@@ -46,10 +46,14 @@ def _remat(tc: TrainerConfig, platform: str, device_bytes: int | None,
     # The least recomputation that fits: none, then the elementwise work, then layers.
     for remat in ("none", "dots", "full"):
         peak = peak_bytes(dataclasses.replace(tc, remat=remat))
-        if peak <= budget or remat == "full":
+        if peak <= budget:
             return remat, (f"{platform}: plan {peak / 2**30:.1f} GiB against "
                            f"{budget / 2**30:.1f} GiB of the card")
-    raise AssertionError("unreachable")
+    # Not refused: the plan's figures are estimates, and XLA's own plan of the compiled
+    # step (benchmarks/train_step.py prints it) may fit where this one does not.
+    return "full", (f"{platform}: plan {peak / 2**30:.1f} GiB even with full remat, above "
+                    f"{budget / 2**30:.1f} GiB of the card: may not fit (micro-batches, "
+                    "shorter rows or FSDP over more devices would)")
 
 
 def resolve_trainer(tc: TrainerConfig, *, platform: str, model: DecoderConfig | None = None,

@@ -36,6 +36,9 @@ def test_gpu_picks_bfloat16_cudnn_and_the_least_remat_that_fits_the_card():
     assert resolve_for_device(TrainerConfig(), device_bytes=24 * GIB, **kw)[0].remat == "dots"
     small, why = resolve_for_device(TrainerConfig(), device_bytes=16 * GIB, **kw)
     assert small.remat == "full" and "14.4 GiB of the card" in why["remat"]
+    # Too small even for full remat: chosen, and said (not refused: the plan estimates).
+    tiny, why = resolve_for_device(TrainerConfig(), device_bytes=10 * GIB, **kw)
+    assert tiny.remat == "full" and "even with full remat, above 9.0 GiB" in why["remat"]
     # Without a plan (no model or card size) an accelerator keeps the matmuls' outputs.
     assert resolve_trainer(TrainerConfig(), platform="gpu")[0].remat == "dots"
 
