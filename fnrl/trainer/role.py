@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fnrl.config import RunConfig, TrainerConfig, load_json
 from fnrl.models.hf_io import load_pretrained, params_to_hf, read_config
-from fnrl.models.decoder import logical_axes
+from fnrl.models.decoder import abstract_model, logical_axes
 from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, shardings_for
@@ -51,6 +51,7 @@ from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
+from fnrl.trainer.fit import abstract_batch, fit_remat
 from fnrl.trainer.memory import resolve_for_device
 from fnrl.trainer.platform import describe, model_kernels
 from fnrl.trainer.step import (compile_train_step, init_sharded_state, initial_critic,
@@ -67,12 +68,14 @@ class Trainer:
     def __init__(self, cfg: RunConfig, model_dir: Path, run_dir: Path):
         model_cfg = read_config(model_dir)
         self.max_len = cfg.model.context_len(model_cfg.max_position_embeddings)
+        remat_auto = cfg.trainer.remat == "auto"
         tc = self._resolve(cfg, model_cfg)
         self.cfg = cfg = dataclasses.replace(cfg, trainer=tc)
         compute = jnp.dtype(tc.compute_dtype)
         self.model_cfg, self.graphdef, host_params = load_pretrained(
             model_dir, dtype=compute, param_dtype=jnp.dtype(tc.param_dtype),
             **model_kernels(tc))
+        self._graphdef_remat = tc.remat
         self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
         self.mesh = mesh_from_config(tc.mesh)
         # In a group (fnrl.trainer.distributed) every process runs every step; process 0
@@ -98,11 +101,9 @@ class Trainer:
         self.replayed = 0
         self.checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=tc.checkpoint_keep)
         self.batches = BatchLog(run_dir / "batches")
-        self._step = compile_train_step(
-            self.graphdef, self.optimizer, cfg.algo, state_sh, batch_sharding(self.mesh),
-            micro_batches=tc.micro_batches, logprob_chunk=tc.logprob_chunk,
-            ref_sharding=param_sh if self.ref_params is not None else None,
-            matmul_precision=tc.matmul_precision)
+        self._step = self._build_step(tc)
+        if self._device_limit and remat_auto:
+            self._fit_remat_to_device()
         self._serving_cast = jax.jit(lambda p: jax.tree.map(
             lambda x: x.astype(self.serve_dtype), p))
         self.restore_latest(replay=False)
@@ -113,12 +114,41 @@ class Trainer:
         device = jax.devices()[0]
         limit = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
         buckets = [b for b in cfg.trainer.length_buckets if b <= self.max_len]
-        tc, why = resolve_for_device(cfg.trainer, platform=device.platform, model=model_cfg,
-                                     algo=cfg.algo, rows=cfg.trainer.pack_rows or cfg.batch_size,
-                                     length=max(buckets) if buckets else self.max_len,
-                                     device_bytes=limit)
-        print(describe(tc, why), flush=True)
+        self._largest = (cfg.trainer.pack_rows or cfg.batch_size,
+                         max(buckets) if buckets else self.max_len)
+        tc, self._why = resolve_for_device(cfg.trainer, platform=device.platform,
+                                           model=model_cfg, algo=cfg.algo,
+                                           rows=self._largest[0], length=self._largest[1],
+                                           device_bytes=limit)
+        self._device_limit = limit
+        print(describe(tc, self._why), flush=True)
         return tc
+
+    def _build_step(self, tc: TrainerConfig):
+        """The jitted step for `tc`'s kernels (the graphdef carries the remat policy)."""
+        if tc.remat != self._graphdef_remat:
+            self._graphdef_remat = tc.remat
+            self.graphdef = abstract_model(self.model_cfg, dtype=jnp.dtype(tc.compute_dtype),
+                                           param_dtype=jnp.dtype(tc.param_dtype),
+                                           **model_kernels(tc))[0]
+        return compile_train_step(
+            self.graphdef, self.optimizer, self.cfg.algo, self._state_sh,
+            batch_sharding(self.mesh), micro_batches=tc.micro_batches,
+            logprob_chunk=tc.logprob_chunk,
+            ref_sharding=self._param_sh if self.ref_params is not None else None,
+            matmul_precision=tc.matmul_precision)
+
+    def _fit_remat_to_device(self) -> None:
+        """On an accelerator, the automatic remat checked against XLA's plan of the step
+        compiled for the largest batch (fnrl.trainer.fit): the next policy while it is
+        over the device's limit. Printed when it changes anything."""
+        batch = abstract_batch(self.cfg, *self._largest)
+        tc, why, step = fit_remat(self.cfg.trainer, self._why, build=self._build_step,
+                                  args=(self.state, batch, self.ref_params, None),
+                                  limit=self._device_limit)
+        print(f"trainer remat: {tc.remat} ({why['remat']})", flush=True)
+        self.cfg = dataclasses.replace(self.cfg, trainer=tc)
+        self._step = step
 
     def _initial_state(self, host_params=None):
         """The state at version 0: the model directory's weights (read again unless
