@@ -81,30 +81,14 @@ def _time_steps(step, steps: int, warmup: int, paced: bool):
     return times, cpu, first
 
 
-def xla_plan(compiled) -> dict | None:
-    """XLA's buffer plan of a compiled step in bytes: arguments + outputs − what the
-    donated state aliases + temporaries at the peak (None where the backend has none)."""
-    try:
-        stats = compiled.memory_analysis()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return None
-    if stats is None:
-        return None
-    out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in
-           ("argument", "output", "alias", "temp", "generated_code")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
-
-
 def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: str = "auto",
              attention: str = "auto") -> dict:
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
     from fnrl.config import AlgoConfig, TrainerConfig
     from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
+    from fnrl.trainer.fit import compiled_plan, fit_remat
     from fnrl.trainer.memory import resolve_for_device, trainer_memory
     from fnrl.trainer.platform import describe, model_kernels
     from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
@@ -127,28 +111,22 @@ def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: st
                           param_dtype=jnp.dtype(tc.param_dtype), **model_kernels(tc))
 
     def build(tc):
-        step = compile_train_step(abstract_model(cfg, dtype=jnp.dtype(tc.compute_dtype),
+        return compile_train_step(abstract_model(cfg, dtype=jnp.dtype(tc.compute_dtype),
                                                  param_dtype=jnp.dtype(tc.param_dtype),
                                                  **model_kernels(tc))[0],
                                   optimizer, algo, None, None, micro_batches=tc.micro_batches,
                                   logprob_chunk=tc.logprob_chunk,
                                   matmul_precision=tc.matmul_precision)
-        state = jax.eval_shape(lambda: init_state(model(tc)[1], optimizer))
-        return step.lower(state, batch, None).compile()
 
     # Compiled ahead of time, on shapes alone: XLA's memory plan of the very executable
-    # that is timed. An automatic remat whose compiled plan exceeds the device's limit
-    # (the trainer's own plan was too low) moves on to the next policy.
+    # that is timed. An automatic remat is fitted to the device's limit by that plan, as
+    # the trainer role does (fnrl.trainer.fit).
     t0 = time.perf_counter()
-    compiled = build(tc)
-    while remat == "auto" and limit and tc.remat != "full":
-        planned = xla_plan(compiled)
-        if planned is None or planned["peak"] <= limit:
-            break
-        why["remat"] = (f"{why['remat']}; XLA's compiled plan of {tc.remat}, "
-                        f"{planned['peak'] / 2**30:.1f} GiB, is over the limit")
-        tc = dataclasses.replace(tc, remat={"none": "dots", "dots": "full"}[tc.remat])
-        compiled = build(tc)
+    args = (jax.eval_shape(lambda: init_state(model(tc)[1], optimizer)), batch, None)
+    if remat == "auto" and limit:
+        tc, why, _, compiled = fit_remat(tc, why, build=build, args=args, limit=limit)
+    else:
+        compiled = build(tc).lower(*args).compile()
     compile_s = time.perf_counter() - t0
     kernels = describe(tc, why)
     print(kernels, file=sys.stderr, flush=True)
@@ -174,7 +152,7 @@ def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: st
                                                     "logprob_chunk")},
             "peak_device_mb": stats.get("peak_bytes_in_use", 0) / 2**20 if stats else None,
             "device_limit_mb": stats.get("bytes_limit", 0) / 2**20 if stats else None,
-            "xla_plan": xla_plan(compiled), "fnrl_plan_step_peak": plan.step_peak_bytes,
+            "xla_plan": compiled_plan(compiled), "fnrl_plan_step_peak": plan.step_peak_bytes,
             "peak_rss_mb": _peak_rss_mb(), "base_rss_mb": base_mb,
             "threads": len(os.sched_getaffinity(0)),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -27,14 +27,26 @@ from fnrl.config import RunConfig, TrainerConfig
 NEXT_REMAT = {"none": "dots", "dots": "full"}
 
 
-def compiled_peak_bytes(lowered) -> int | None:
-    """XLA's plan of a lowered step at its peak: arguments + outputs - what the donated
-    arguments alias + temporaries (None where the backend reports no analysis)."""
-    stats = lowered.compile().memory_analysis()
+def compiled_plan(compiled) -> dict[str, int] | None:
+    """XLA's buffer plan of a compiled step in bytes: arguments, outputs, what the donated
+    arguments alias, temporaries, code, and the peak (arguments + outputs - aliased +
+    temporaries); None where the backend reports no analysis."""
+    try:
+        stats = compiled.memory_analysis()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
     if stats is None:
         return None
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-               - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in
+           ("argument", "output", "alias", "temp", "generated_code")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def compiled_peak_bytes(lowered) -> int | None:
+    """XLA's plan of a lowered step at its peak (`compiled_plan`), compiling it."""
+    plan = compiled_plan(lowered.compile())
+    return None if plan is None else plan["peak"]
 
 
 def abstract_batch(cfg: RunConfig, rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -56,19 +68,20 @@ def abstract_batch(cfg: RunConfig, rows: int, length: int) -> dict[str, jax.Shap
 
 
 def fit_remat(tc: TrainerConfig, why: dict[str, str], *, build: Callable[[TrainerConfig], Any],
-              args: tuple, limit: int) -> tuple[TrainerConfig, dict[str, str], Any]:
-    """(config, reasons, step): `build(tc)`'s step under the least remat from `tc.remat`
-    on whose compiled plan for `args` fits `limit` bytes ("full" if none does)."""
+              args: tuple, limit: int) -> tuple[TrainerConfig, dict[str, str], Any, Any]:
+    """(config, reasons, step, its executable for `args`): `build(tc)`'s step under the
+    least remat from `tc.remat` on whose compiled plan for `args` fits `limit` bytes
+    ("full" if none does)."""
     why = dict(why)
-    step = build(tc)
     while True:
-        peak = compiled_peak_bytes(step.lower(*args))
-        if peak is None:
-            return tc, why, step
-        fits = peak <= limit
-        why["remat"] = (f"{why.get('remat', 'set')}; XLA's compiled plan of {tc.remat}: "
-                        f"{peak / 2**30:.1f} GiB against the device's {limit / 2**30:.1f} GiB")
-        if fits or tc.remat == "full":
-            return tc, why, step
-        tc = dataclasses.replace(tc, remat=NEXT_REMAT[tc.remat])
         step = build(tc)
+        compiled = step.lower(*args).compile()
+        plan = compiled_plan(compiled)
+        if plan is None:
+            return tc, why, step, compiled
+        why["remat"] = (f"{why.get('remat', 'set')}; XLA's compiled plan of {tc.remat}: "
+                        f"{plan['peak'] / 2**30:.1f} GiB against the device's "
+                        f"{limit / 2**30:.1f} GiB")
+        if plan["peak"] <= limit or tc.remat == "full":
+            return tc, why, step, compiled
+        tc = dataclasses.replace(tc, remat=NEXT_REMAT[tc.remat])

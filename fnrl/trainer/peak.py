@@ -25,6 +25,7 @@ import numpy as np
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 from fnrl.models.synthetic import QWEN25_05B
+from fnrl.trainer.fit import compiled_plan
 from fnrl.trainer.memory import trainer_memory
 from fnrl.trainer.platform import model_kernels, resolve_trainer
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
@@ -84,11 +85,7 @@ def compiled_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConf
     step, state = _setup(model, trainer, algo, abstract=True)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          random_batch(rows, length, model.vocab_size))
-    stats = step.lower(state, batch, None).compile().memory_analysis()
-    out = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in
-           ("argument", "output", "alias", "temp", "generated_code")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
+    return compiled_plan(step.lower(state, batch, None).compile())
 
 
 def measure_train_step(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *,

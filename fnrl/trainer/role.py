@@ -143,7 +143,7 @@ class Trainer:
         compiled for the largest batch (fnrl.trainer.fit): the next policy while it is
         over the device's limit. Printed when it changes anything."""
         batch = abstract_batch(self.cfg, *self._largest)
-        tc, why, step = fit_remat(self.cfg.trainer, self._why, build=self._build_step,
+        tc, why, step, _ = fit_remat(self.cfg.trainer, self._why, build=self._build_step,
                                   args=(self.state, batch, self.ref_params, None),
                                   limit=self._device_limit)
         print(f"trainer remat: {tc.remat} ({why['remat']})", flush=True)

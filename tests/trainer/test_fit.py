@@ -47,8 +47,8 @@ def test_fit_moves_to_the_least_remat_whose_compiled_plan_fits(setup, between, e
     cfg, build, args, peaks = setup
     fits, over = between
     limit = peaks[fits] if over is None else (peaks[fits] + peaks[over]) // 2
-    tc, why, step = fit_remat(cfg.trainer, {"remat": "planned"}, build=build, args=args,
-                              limit=limit)
+    tc, why, step, _ = fit_remat(cfg.trainer, {"remat": "planned"}, build=build, args=args,
+                                 limit=limit)
     assert tc.remat == expected
     assert why["remat"].startswith("planned") and f"compiled plan of {expected}" in why["remat"]
     assert compiled_peak_bytes(step.lower(*args)) == peaks[expected]
@@ -56,7 +56,7 @@ def test_fit_moves_to_the_least_remat_whose_compiled_plan_fits(setup, between, e
 
 def test_nothing_fits_ends_at_full_and_says_so(setup):
     cfg, build, args, peaks = setup
-    tc, why, _ = fit_remat(cfg.trainer, {}, build=build, args=args, limit=peaks["full"] // 2)
+    tc, why, *_ = fit_remat(cfg.trainer, {}, build=build, args=args, limit=peaks["full"] // 2)
     assert tc.remat == "full" and "compiled plan of full" in why["remat"]
 
 
