@@ -36,24 +36,23 @@ class UnrepresentablePrompt(ValueError):
     """A prompt the tokenizer would not encode faithfully."""
 
 
-def _generation_config(model_dir: Path) -> dict:
-    """generation_config.json, or what transformers derives without one: the model
-    config's eos/bos/pad ids (GenerationConfig.from_model_config), so an eos list in
-    config.json stops generation as it does in transformers."""
+def _generation_config(model_dir: Path, model: dict) -> dict:
+    """generation_config.json, or what transformers derives without one from the model's
+    config.json (`model`): its eos/bos/pad ids (GenerationConfig.from_model_config), so an
+    eos list there stops generation as it does in transformers."""
     gen = read_json_if_present(model_dir / "generation_config.json")
     if gen is not None:
         return gen
-    model = read_json_if_present(model_dir / "config.json") or {}
     return {k: model[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id")
             if model.get(k) is not None}
 
 
-def check_ids_in_vocab(hf: Any, ids: dict[str, Sequence[int]], model_dir: Path) -> None:
+def check_ids_in_vocab(hf: Any, ids: dict[str, Sequence[int]], model_dir: Path,
+                       model: dict) -> None:
     """ValueError before anything starts when the tokenizer can produce ids the model
     has no embedding row for (its size above config.json's vocab_size), or a special or
     stop id is out of range: vLLM would refuse the first request, and JAX's gather would
-    clamp the id to another token's row without a word."""
-    model = read_json_if_present(model_dir / "config.json") or {}
+    clamp the id to another token's row without a word. `model`: config.json's fields."""
     vocab = model.get("vocab_size")
     if vocab is None:
         return
@@ -110,7 +109,8 @@ class ChatTokenizer:
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
         hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
                                            trust_remote_code=False)
-        gen = _generation_config(model_dir)
+        model = read_json_if_present(model_dir / "config.json") or {}
+        gen = _generation_config(model_dir, model)
         stops = ([hf.eos_token_id] if hf.eos_token_id is not None else []) \
             + _ids(gen.get("eos_token_id"))
         for name in stop_tokens:
@@ -126,7 +126,7 @@ class ChatTokenizer:
         stop_ids = _dedupe(stops)
         pad = hf.pad_token_id if hf.pad_token_id is not None else gen.get("pad_token_id")
         check_ids_in_vocab(hf, {"stop": stop_ids, "special": sorted(hf.all_special_ids),
-                                "pad": [pad], "bos": [hf.bos_token_id]}, model_dir)
+                                "pad": [pad], "bos": [hf.bos_token_id]}, model_dir, model)
         use_template = chat_template == "auto" and bool(getattr(hf, "chat_template", None))
         if system_prompt and not use_template:
             raise ValueError(f"invalid config TaskConfig.system_prompt={system_prompt!r}: "
