@@ -46,10 +46,12 @@ def gsm8k_rows(n: int) -> list[dict]:
 class RoleSampler:
     """Peak memory per role, summed over its process group: RSS, and the private part
     (RSS less shared pages: file mappings and /dev/shm segments, which the relay's
-    shared-memory peak counts once), and the peak of the relay's shared memory."""
+    shared-memory peak counts once), and the peak of the relay's shared memory. The
+    controller (the main job's own process, `watch`ed by pid) is sampled alone."""
 
     def __init__(self, run_dir: Path, period_s: float = 0.5):
         self.run_dir, self.period_s = run_dir, period_s
+        self.controller_pid: int | None = None
         self.peak: dict[str, int] = {}
         self.private_peak: dict[str, int] = {}
         self.shm_peak = 0
@@ -85,6 +87,13 @@ class RoleSampler:
                         private[pgid] = private.get(pgid, 0) + mem.rss - mem.shared
                 except (psutil.Error, ProcessLookupError, PermissionError):
                     continue
+            if self.controller_pid is not None:
+                try:
+                    mem = psutil.Process(self.controller_pid).memory_info()
+                    rss["controller"], private["controller"] = mem.rss, mem.rss - mem.shared
+                    roles = {**roles, "controller": "controller"}
+                except psutil.Error:
+                    pass
             for name, pid in roles.items():
                 self.peak[name] = max(self.peak.get(name, 0), rss.get(pid, 0))
                 self.private_peak[name] = max(self.private_peak.get(name, 0),
@@ -154,7 +163,9 @@ def main() -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with RoleSampler(run_dir) as sampler:
-            code = subprocess.call(argv, cwd=ROOT)
+            proc = subprocess.Popen(argv, cwd=ROOT)
+            sampler.controller_pid = proc.pid
+            code = proc.wait()
         wall = time.perf_counter() - t0
         print(f"\nmain job exited with {code} after {wall:.0f}s")
         planned = planned_peaks(run_dir / "memory_plan.txt")

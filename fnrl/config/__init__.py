@@ -20,6 +20,7 @@ from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, Coordin
 from fnrl.config.eval import EVAL_SERVERS, EvalConfig
 from fnrl.config.faults import FaultConfig, Injection, parse_injection
 from fnrl.config.gates import GATE_RULE_NAMES, GatesConfig
+from fnrl.config.lora import LORA_TARGETS, LoraConfig
 from fnrl.config.relay import MIB, RelayConfig
 from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutConfig, RunConfig,
                              TaskConfig, TrainerConfig, WarmStartConfig)
@@ -29,7 +30,7 @@ __all__ = [
     "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
     "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "DistributedConfig",
     "EVAL_SERVERS", "EvalConfig", "FaultConfig", "GATE_RULE_NAMES", "GatesConfig",
-    "Injection", "MeshConfig",
+    "Injection", "LORA_TARGETS", "LoraConfig", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",
     "from_dict", "known_names", "load_json", "parse_injection", "positive", "save_json",

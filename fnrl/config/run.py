@@ -13,6 +13,7 @@ from fnrl.config.eval import EvalConfig
 from fnrl.config.coord import CoordinatorConfig
 from fnrl.config.faults import FaultConfig
 from fnrl.config.gates import GatesConfig
+from fnrl.config.lora import LoraConfig
 from fnrl.config.relay import RelayConfig
 
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -271,6 +272,8 @@ class TrainerConfig:
     (fnrl.trainer.checkpoint)."""
     checkpoint_keep: int = 2
     """Finished checkpoints kept on disk (the oldest are deleted)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (rank > 0) instead of full fine-tuning (fnrl.models.lora)."""
     gpus_per_process: int = 0
     """GPUs each trainer process gets on the trainer's node (0: none reserved, as on
     CPU). The Ray backend reserves distributed.num_processes x this on the trainer's

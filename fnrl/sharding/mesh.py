@@ -22,6 +22,7 @@ TRAINER_RULES: Mapping[str, str | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "lora_rank": None,   # adapters are thin: their other axis is sharded as its kernel's
     "batch": ("data", "fsdp"),
 }
 

@@ -53,10 +53,11 @@ import functools
 import jax
 import numpy as np
 
-from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.config import AlgoConfig, LoraConfig, TrainerConfig
 from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig, abstract_model
+from fnrl.models.lora import adapter_leaves
 from fnrl.trainer.logprobs import positions_per_chunk
-from fnrl.trainer.platform import resolve_trainer
+from fnrl.trainer.platform import resolve_trainer, storage_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROCESS_BYTES = 2**30
@@ -87,6 +88,21 @@ UPDATE_COPIES = 3
 """Param-sized temporaries of the AdamW update beside the gradients (new moments and
 the update, before they replace the donated state): XLA's buffer plan shows 4 × params
 in the update phase."""
+
+
+@functools.lru_cache(maxsize=32)
+def adapter_param_count(model: DecoderConfig, lora: LoraConfig) -> int:
+    """Parameters of `lora`'s adapters on `model` (0 without LoRA)."""
+    if not lora.enabled:
+        return 0
+    return int(sum(np.prod(a) + np.prod(b) for a, b in adapter_leaves(model, lora).values()))
+
+
+@functools.lru_cache(maxsize=32)
+def adapted_param_count(model: DecoderConfig, lora: LoraConfig) -> int:
+    """Parameters of the projections `lora` adapts (their kernels, not the adapters)."""
+    return int(sum(np.prod(a[:-1]) * np.prod(b[1:])
+                   for a, b in adapter_leaves(model, lora).values())) if lora.enabled else 0
 
 
 @functools.lru_cache(maxsize=32)
@@ -180,6 +196,11 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
         trainer, _ = resolve_trainer(trainer, platform=platform, model=model)
     n = param_count(model)
     p, c = DTYPE_BYTES[trainer.param_dtype], DTYPE_BYTES[trainer.compute_dtype]
+    # With LoRA the optimizer, gradients, checkpoints and publishes are the adapters'
+    # (t parameters); the model's n stay frozen in the base's dtype.
+    lora = trainer.lora.enabled
+    t = adapter_param_count(model, trainer.lora) if lora else n
+    b = DTYPE_BYTES[storage_dtype(trainer)]
     s = DTYPE_BYTES[serve_dtype]
     L, E, V = model.num_hidden_layers, model.hidden_size, model.vocab_size
     rows_mb = -(-rows // trainer.micro_batches)
@@ -196,31 +217,35 @@ def trainer_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfi
         activations += (ATTENTION_BLOCK_COPIES * rows_mb * model.num_attention_heads
                         * ATTENTION_BLOCK * length * 4)
     logit_tokens = rows_mb * positions_per_chunk(rows_mb, length, trainer.logprob_chunk)
-    resident = [("params", n * p), ("Adam moments", 2 * n * p)]
-    if algo.needs_reference:
+    resident = [("params", n * p)] if not lora else [
+        (f"frozen base ({storage_dtype(trainer)})", n * b), ("LoRA adapters", t * p)]
+    resident.append(("Adam moments", 2 * t * p))
+    if algo.needs_reference and not lora:   # with LoRA the reference is the base
         resident.append(("KL reference weights", n * c))
-    grads = [("gradients", n * p)]
+    grads = [("gradients", t * p)]
     if trainer.micro_batches > 1:
-        grads.append(("gradient accumulator", n * p))
+        grads.append(("gradient accumulator", t * p))
     backward = list(grads)
-    if model.tie_word_embeddings:
+    if model.tie_word_embeddings and not lora:
         # The embedding's two gradients (lookup and projection) exist apart until summed.
         backward.append(("tied embedding's second gradient", V * E * p))
-    if c != p:
+    if c != (b if lora else p):
         backward.append((f"weights in {trainer.compute_dtype}", n * c))
     kept = "all layers" if trainer.remat == "none" else (
         "remat" if trainer.remat == "full" else f"remat {trainer.remat}")
     backward.append((f"activations ({kept}, {tokens} tokens)", activations))
     if trainer.remat != "none":
+        stacked = layer_param_count(model) * c
         backward.append(("layers' parameters and gradients stacked for the scan",
-                         2 * layer_param_count(model) * c))
+                         stacked + (t * c if lora else stacked)))
     backward.append((f"logits ({logit_tokens} tokens x {V})",
                      LOGITS_COPIES * logit_tokens * V * 4))
     if logit_tokens < rows_mb * length:
         # The fused chunked backward carries the vocabulary kernel's gradient in float32.
         backward.append(("vocabulary kernel's float32 gradient carry", V * E * 4))
-    update = grads + [("AdamW temporaries", UPDATE_COPIES * n * p)]
-    save = (("checkpoint copy of the state", 3 * n * p), ("weights for the relay", n * s))
+    update = grads + [("AdamW temporaries", UPDATE_COPIES * t * p)]
+    save = (("checkpoint copy of the state", 3 * t * p),
+            ("adapters for the relay" if lora else "weights for the relay", t * s))
     if not device:
         resident.insert(2, ("process", PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * n))
         return TrainerMemory(resident=tuple(resident), backward=tuple(backward),

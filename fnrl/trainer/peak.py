@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.config import AlgoConfig, LoraConfig, TrainerConfig
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 from fnrl.models.synthetic import QWEN25_05B
 from fnrl.trainer.fit import compiled_plan
 from fnrl.trainer.memory import trainer_memory
-from fnrl.trainer.platform import model_kernels, resolve_trainer
+from fnrl.models.lora import split_adapters
+from fnrl.trainer.platform import model_kernels, resolve_trainer, storage_dtype
 from fnrl.trainer.step import compile_train_step, init_state, make_optimizer
 from fnrl.trainer.xla_flags import use_memory_scheduler
 
@@ -69,12 +70,21 @@ def _setup(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *, ab
         model, dtype=compute, param_dtype=param, **kernels)[0], optimizer, algo,
         None, None, micro_batches=trainer.micro_batches, logprob_chunk=trainer.logprob_chunk,
         matmul_precision=trainer.matmul_precision)
-    init = jax.jit(lambda p: init_state(p, optimizer), donate_argnums=0)
+    base = jnp.dtype(storage_dtype(trainer))
+
+    def state_and_frozen():
+        """The state of the trained params; with LoRA the base apart, in its dtype."""
+        params = build()[1]
+        if not trainer.lora.enabled:
+            return init_state(params, optimizer), None
+        adapters, frozen = split_adapters(params)
+        return init_state(adapters, optimizer), jax.tree.map(lambda x: x.astype(base), frozen)
+
     if abstract:
-        state = jax.eval_shape(lambda: init(build()[1]))
+        state, frozen = jax.eval_shape(state_and_frozen)
     else:
-        state = init(build()[1])
-    return step, state
+        state, frozen = jax.jit(state_and_frozen)()
+    return step, state, frozen
 
 
 def compiled_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *,
@@ -82,10 +92,10 @@ def compiled_memory(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConf
     """XLA's own buffer plan for one train step, from compiling it on abstract inputs
     (nothing is allocated or run): arguments (the state and batch), outputs, what the
     donated state aliases, and the temporaries at the step's peak."""
-    step, state = _setup(model, trainer, algo, abstract=True)
+    step, state, frozen = _setup(model, trainer, algo, abstract=True)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          random_batch(rows, length, model.vocab_size))
-    return compiled_plan(step.lower(state, batch, None).compile())
+    return compiled_plan(step.lower(state, batch, None, None, frozen).compile())
 
 
 def measure_train_step(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoConfig, *,
@@ -93,7 +103,7 @@ def measure_train_step(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoC
     """Builds a random `model` in trainer.param_dtype, runs `steps` train steps (the first
     compiles) of rows × length tokens, and returns the measured figures with the memory
     plan's estimate beside them (fnrl.trainer.memory)."""
-    step, state = _setup(model, trainer, algo, abstract=False)
+    step, state, frozen = _setup(model, trainer, algo, abstract=False)
     batch = random_batch(rows, length, model.vocab_size)
     jax.block_until_ready(state)
     state_rss = _status_bytes("VmRSS")
@@ -101,7 +111,7 @@ def measure_train_step(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoC
     times, peaks = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        state, metrics = step(state, batch, None)
+        state, metrics = step(state, batch, None, None, frozen)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
         peaks.append(_status_bytes("VmHWM"))
@@ -110,6 +120,7 @@ def measure_train_step(model: DecoderConfig, trainer: TrainerConfig, algo: AlgoC
     plan = trainer_memory(model, trainer, algo, rows=rows, length=length)
     return {"rows": rows, "length": length, "logprob_chunk": trainer.logprob_chunk,
             "remat": trainer.remat, "compute_dtype": trainer.compute_dtype,
+            "lora_rank": trainer.lora.rank,
             "param_dtype": trainer.param_dtype, "peak_bytes": peak,
             "state_rss_bytes": state_rss,
             "step_peak_bytes": peak - state_rss if reset else None,
@@ -132,6 +143,8 @@ def main() -> None:
     parser.add_argument("--param-dtype", default="float32")
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank (0: every weight)")
     parser.add_argument("--compile-only", action="store_true",
                         help="XLA's buffer plan of the step only (nothing allocated or run)")
     args = parser.parse_args()
@@ -141,7 +154,8 @@ def main() -> None:
     trainer = TrainerConfig(logprob_chunk=args.logprob_chunk, remat=args.remat,
                             attention=args.attention,
                             compute_dtype=args.compute_dtype, param_dtype=args.param_dtype,
-                            micro_batches=args.micro_batches)
+                            micro_batches=args.micro_batches,
+                            lora=LoraConfig(rank=args.lora_rank))
     if args.compile_only:
         out = compiled_memory(model, trainer, AlgoConfig(), rows=args.rows, length=args.length)
         out["plan_step_peak"] = trainer_memory(model, trainer, AlgoConfig(), rows=args.rows,

@@ -108,4 +108,17 @@ def model_kernels(tc: TrainerConfig) -> dict:
     if "auto" in (tc.remat, tc.attention, tc.compute_dtype):
         raise ValueError("resolve_trainer first: the trainer config still has 'auto' values")
     return {"remat": tc.remat, "attention": tc.attention,
-            "max_segments": tc.pack_max_segments if tc.pack_rows else 0}
+            "max_segments": tc.pack_max_segments if tc.pack_rows else 0,
+            "lora": tc.lora if tc.lora.enabled else None}
+
+
+def storage_dtype(tc: TrainerConfig) -> str:
+    """The dtype the loaded weights are held in: `param_dtype`, or with LoRA the frozen
+    base's (`lora.base_dtype`; auto: the compute dtype, which is all it is cast to)."""
+    if not tc.lora.enabled:
+        return tc.param_dtype
+    if tc.lora.base_dtype != "auto":
+        return tc.lora.base_dtype
+    if tc.compute_dtype == "auto":
+        raise ValueError("resolve_trainer first: the trainer config still has 'auto' values")
+    return tc.compute_dtype

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from fnrl.config import RunConfig, TrainerConfig, load_json
 from fnrl.models.hf_io import load_pretrained, params_to_hf, read_config
 from fnrl.models.decoder import abstract_model, logical_axes
+from fnrl.models.lora import init_adapters, peft_tensors, split_adapters
 from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, shardings_for
@@ -53,7 +54,7 @@ from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
 from fnrl.trainer.fit import abstract_batch, fit_remat
 from fnrl.trainer.memory import resolve_for_device
-from fnrl.trainer.platform import describe, model_kernels
+from fnrl.trainer.platform import describe, model_kernels, storage_dtype
 from fnrl.trainer.step import (compile_train_step, init_sharded_state, initial_critic,
                                make_optimizer, place_params, state_shardings)
 from fnrl.trainer.xla_flags import set_cpu_threads, use_memory_scheduler
@@ -72,16 +73,24 @@ class Trainer:
         tc = self._resolve(cfg, model_cfg)
         self.cfg = cfg = dataclasses.replace(cfg, trainer=tc)
         compute = jnp.dtype(tc.compute_dtype)
+        self.lora = tc.lora if tc.lora.enabled else None
         self.model_cfg, self.graphdef, host_params = load_pretrained(
-            model_dir, dtype=compute, param_dtype=jnp.dtype(tc.param_dtype),
-            **model_kernels(tc))
+            model_dir, dtype=compute, param_dtype=jnp.dtype(storage_dtype(tc)),
+            adapter_seed=cfg.seed, adapter_dtype=jnp.dtype(tc.param_dtype), **model_kernels(tc))
         self._graphdef_remat = tc.remat
         self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
         self.mesh = mesh_from_config(tc.mesh)
         # In a group (fnrl.trainer.distributed) every process runs every step; process 0
         # alone writes the run directory's files and publishes.
         self.group_size, self.writer = jax.process_count(), jax.process_index() == 0
-        param_sh = shardings_for(logical_axes(self.model_cfg), host_params, self.mesh)
+        param_sh = shardings_for(logical_axes(self.model_cfg, self.lora), host_params, self.mesh)
+        # With LoRA the state trains the adapters; the base is a frozen argument of the
+        # step, in its own dtype, never differentiated, checkpointed or published.
+        self.frozen, self._frozen_sh = None, None
+        if self.lora is not None:
+            (host_params, host_base), (param_sh, self._frozen_sh) = (
+                split_adapters(host_params), split_adapters(param_sh))
+            self.frozen = place_params(host_base, self._frozen_sh)
         self.optimizer = make_optimizer(cfg.algo, total_steps=cfg.steps)
         # Sharded init: shardings from shapes alone, then the state is built in place.
         state_sh = state_shardings(self.optimizer, host_params, param_sh,
@@ -89,9 +98,9 @@ class Trainer:
         self._model_dir, self._param_sh, self._state_sh = model_dir, param_sh, state_sh
         self.state = self._initial_state(host_params)
         # The KL reference is the initial model, frozen: no gradients, so it is held in
-        # the compute dtype. Without KL it is never loaded.
+        # the compute dtype. Without KL it is never loaded; with LoRA it is the base.
         self.ref_params = None
-        if cfg.algo.needs_reference:
+        if cfg.algo.needs_reference and self.lora is None:
             self.ref_params = place_params(load_pretrained(model_dir, param_dtype=compute)[2],
                                            param_sh)
         self.run_dir = run_dir
@@ -136,7 +145,7 @@ class Trainer:
             batch_sharding(self.mesh), micro_batches=tc.micro_batches,
             logprob_chunk=tc.logprob_chunk,
             ref_sharding=self._param_sh if self.ref_params is not None else None,
-            matmul_precision=tc.matmul_precision)
+            matmul_precision=tc.matmul_precision, frozen_sharding=self._frozen_sh)
 
     def _fit_remat_to_device(self) -> None:
         """On an accelerator, the automatic remat checked against XLA's plan of the step
@@ -144,7 +153,7 @@ class Trainer:
         over the device's limit. Printed when it changes anything."""
         batch = abstract_batch(self.cfg, *self._largest)
         tc, why, step, _ = fit_remat(self.cfg.trainer, self._why, build=self._build_step,
-                                  args=(self.state, batch, self.ref_params, None),
+                                  args=(self.state, batch, self.ref_params, None, self.frozen),
                                   limit=self._device_limit)
         print(f"trainer remat: {tc.remat} ({why['remat']})", flush=True)
         self.cfg = dataclasses.replace(self.cfg, trainer=tc)
@@ -153,7 +162,10 @@ class Trainer:
     def _initial_state(self, host_params=None):
         """The state at version 0: the model directory's weights (read again unless
         given), fresh optimizer state and critic (if the algorithm has one), born sharded."""
-        if host_params is None:
+        if host_params is None and self.lora is not None:
+            host_params = init_adapters(self.model_cfg, self.lora, self.cfg.seed,
+                                        dtype=jnp.dtype(self.cfg.trainer.param_dtype))
+        elif host_params is None:
             tc = self.cfg.trainer
             host_params = load_pretrained(self._model_dir, dtype=jnp.dtype(tc.compute_dtype),
                                           param_dtype=jnp.dtype(tc.param_dtype),
@@ -207,7 +219,7 @@ class Trainer:
             arrays = global_arrays(arrays, batch_sharding(self.mesh))
             if controls is not None:
                 controls = global_arrays(controls, NamedSharding(self.mesh, PartitionSpec()))
-        return self._step(self.state, arrays, self.ref_params, controls)
+        return self._step(self.state, arrays, self.ref_params, controls, self.frozen)
 
     def warm_up(self) -> int:
         """Compiles (or loads from the compilation cache) the step for every batch shape
@@ -270,7 +282,9 @@ class Trainer:
     def hf_weights(self) -> dict[str, np.ndarray] | None:
         """The current params in the HF layout and the servers' dtype (cast on device,
         so a bfloat16 server gets half the bytes, converted by XLA, not numpy). In a group
-        every process takes part in gathering them; process 0 gets them, the rest None."""
+        every process takes part in gathering them; process 0 gets them, the rest None.
+        With LoRA, the adapters alone, in PEFT's layout (fnrl.models.lora.peft_tensors):
+        a rollout merges them into the base it started from."""
         params = self.state.params
         if any(x.dtype != self.serve_dtype for x in jax.tree.leaves(params)):
             params = self._serving_cast(params)
@@ -279,6 +293,9 @@ class Trainer:
             params = multihost_utils.process_allgather(params, tiled=True)
             if not self.writer:
                 return None
+        if self.lora is not None:
+            return peft_tensors(self.model_cfg, self.lora, jax.device_get(params),
+                                dtype=self.serve_dtype)
         return params_to_hf(self.model_cfg, jax.device_get(params), dtype=self.serve_dtype)
 
     def train(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, float], dict | None]:
@@ -416,6 +433,7 @@ def serve(args: argparse.Namespace) -> None:
                     metrics["fault/corrupt_publish"] = 1.0
                 t0 = time.perf_counter()
                 if weights is not None:
+                    metrics["publish_bytes"] = float(sum(w.nbytes for w in weights.values()))
                     relay.publish(trainer.version, weights)
                 metrics["time/publish_s"] = time.perf_counter() - t0
                 server.reply({"version": trainer.version, "metrics": metrics})

@@ -21,6 +21,7 @@ from flax import nnx
 from fnrl.config import AlgoConfig
 from fnrl.losses.correction import mismatch_metrics
 from fnrl.losses.objective import Objective, as_objective, build_objective
+from fnrl.models.lora import join
 from fnrl.trainer.logprobs import model_logprobs, model_logprobs_and_values, value_head_init
 
 Params = Any
@@ -186,7 +187,7 @@ def _is_summed(key: str) -> bool:
 
 
 def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: Params = None,
-               controls: Mapping[str, Any] | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+               controls: Mapping[str, Any] | None = None, frozen: Params = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                loss_fn: Objective | Callable, micro_batches: int = 1,
                micro_sharding: jax.sharding.NamedSharding | None = None,
                logprob_chunk: int = 0, temperature: float = 1.0, top_k: int = -1,
@@ -213,6 +214,10 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     state's critic too: the value head's V comes from the same trunk pass as the
     log-probs, its gradient updates the head by `critic_optimizer` (and the trunk when
     `value_trunk_grad`), and it is kept or refused with the policy's update.
+
+    `frozen`: with LoRA (fnrl.models.lora) the state's params are the adapters alone and
+    this is the rest of the model, which gets no gradient. The KL reference is then the
+    base itself (the adapters zeroed, B = 0): no second copy of the model.
     """
     objective = as_objective(loss_fn)
     with_values = "values_BxT" in objective.needs
@@ -220,6 +225,11 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
         raise ValueError("the objective uses a critic's values (GAE) but the TrainState has "
                          "no critic or no critic optimizer was given")
     needs_ref = "ref_logp_BxT" in objective.needs
+    # The model the forward pass runs: the trainable params, joined to the frozen base.
+    whole = (lambda trainable: trainable) if frozen is None else (  # noqa: E731
+        lambda trainable: join(trainable, frozen))
+    if needs_ref and ref_params is None and frozen is not None:
+        ref_params = whole(jax.tree.map(jnp.zeros_like, state.params))
     if needs_ref and ref_params is None:
         raise ValueError("the objective uses KL to a reference policy but ref_params is None")
     with_entropy = "entropy_BxT" in objective.needs
@@ -235,13 +245,13 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
             if with_values:
                 params, head = trainable
                 logp_BxT, entropy_BxT, values_BxT = model_logprobs_and_values(
-                    graphdef, params, head, *_model_inputs(mb), chunk_tokens=logprob_chunk,
+                    graphdef, whole(params), head, *_model_inputs(mb), chunk_tokens=logprob_chunk,
                     with_entropy=with_entropy, temperature=temperature, top_k=top_k,
                     top_p=top_p,
                     trunk_grad=value_trunk_grad)
                 inputs = dict(mb, values_BxT=values_BxT)
             else:
-                logp_BxT, entropy_BxT = model_logprobs(graphdef, trainable, *_model_inputs(mb),
+                logp_BxT, entropy_BxT = model_logprobs(graphdef, whole(trainable), *_model_inputs(mb),
                                                        chunk_tokens=logprob_chunk,
                                                        with_entropy=with_entropy,
                                                        temperature=temperature,
@@ -357,15 +367,17 @@ def _with_matmul_precision(fn: Callable, precision: str) -> Callable:
 
 def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
                        micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None,
-                       logprob_chunk: int = 0, matmul_precision: str | None = None):
+                       logprob_chunk: int = 0, matmul_precision: str | None = None,
+                       frozen_sharding=None):
     """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
 
     `matmul_precision` ("default", "high", "highest"; None or "auto": the platform's
     default, which is TF32 for float32 on recent GPUs) is set while the step is traced.
 
-    The result is called as step(state, batch, ref_params[, controls]); ref_params is
-    None unless the config uses KL (then the frozen initial params, placed by
-    `ref_sharding`); controls (replicated scalars) are the gates' (see `train_step`).
+    The result is called as step(state, batch, ref_params[, controls[, frozen]]);
+    ref_params is None unless the config uses KL without LoRA (then the frozen initial
+    params, placed by `ref_sharding`); controls (replicated scalars) are the gates' (see
+    `train_step`); frozen, placed by `frozen_sharding`, is the base under LoRA adapters.
     Log-probs are at `algo.temperature` on the `algo.top_k` / `algo.top_p` support: the
     distribution the rollouts sample from, whose log-probs vLLM reports.
     """
@@ -386,16 +398,17 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
         step = _with_matmul_precision(step, matmul_precision)
     replicated = (jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
                   if isinstance(batch_sharding, jax.sharding.NamedSharding) else None)
-    jitted = jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding, replicated),
+    jitted = jax.jit(step, in_shardings=(state_sharding, batch_sharding, ref_sharding, replicated,
+                                         frozen_sharding),
                      out_shardings=(state_sharding, None), donate_argnums=0)
 
-    # jit wants one sharding per positional argument passed: callers without gates pass
-    # three, so the optional controls are filled in here.
-    def call(state, batch, ref_params=None, controls=None):
-        return jitted(state, batch, ref_params, controls)
+    # jit wants one sharding per positional argument passed: callers without gates or
+    # adapters pass three, so the optional arguments are filled in here.
+    def call(state, batch, ref_params=None, controls=None, frozen=None):
+        return jitted(state, batch, ref_params, controls, frozen)
 
-    call.lower = lambda state, batch, ref_params=None, controls=None: jitted.lower(
-        state, batch, ref_params, controls)
+    call.lower = lambda state, batch, ref_params=None, controls=None, frozen=None: jitted.lower(
+        state, batch, ref_params, controls, frozen)
     return call
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from fnrl.control.metrics import read_jsonl
@@ -16,11 +17,18 @@ from e2e_args import SMALL
 
 pytestmark = pytest.mark.slow
 
-@pytest.mark.parametrize("preset", ["laminar", "sync"])
-def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, preset):
+@pytest.mark.parametrize("preset,lora", [("laminar", 0), ("sync", 8)])
+def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, cache_dir, preset,
+                                                                     lora):
+    """The sync run trains LoRA adapters (rank 8): the same checks hold with adapter-only
+    versions merged on the rollout (on a fresh version vLLM's log-probs are the trainer's),
+    and its export is checked too."""
     run_dir = tmp_path / "run"
     assert main(["--preset", preset, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
-                 "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
+                 "--warm-start.cache-dir", cache_dir, "--trainer.lora.rank", str(lora),
+                 # An entropy bonus moves the adapters even when every reward is equal
+                 # (the small model's usually are: GRPO's advantages are then zero).
+                 *(["--algo.entropy-coef", "0.01"] if lora else []), *SMALL]) == 0
     records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -46,6 +54,50 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     assert list((run_dir / "tensorboard").iterdir())
     assert json.loads((run_dir / "run_info.json").read_text())["code"]["commit"]
     assert json.loads((run_dir / "config.json").read_text())["preset"] == preset
+    if lora:
+        check_lora_run(run_dir, train)
+
+
+def check_lora_run(run_dir, train):
+    """Adapter-only versions: published, merged by the rollout, checkpointed and exported."""
+    from safetensors.numpy import load_file
+
+    from fnrl.experiments.export import export
+    from fnrl.models.hf_io import load_pretrained, params_to_hf
+
+    published = {r["publish_bytes"] for r in train}
+    assert len(published) == 1
+    out = export(run_dir, tmp := run_dir / "export", version=3)
+    assert out == tmp
+    base_dir = json.loads((out / "export.json").read_text())["base_model"]
+    base_cfg, _, base = load_pretrained(base_dir)
+    full_bytes = sum(v.nbytes for v in params_to_hf(base_cfg, base).values())
+    # Adapters alone (and a scale), not the model: rank 8 of a 64-wide model is 1/5 of it.
+    assert published.pop() < full_bytes / 4
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["peft_type"] == "LORA" and len(adapter) == (
+        2 * 7 * base_cfg.num_hidden_layers)
+    # The merged model is the base plus scaling · B·A of the exported adapter (PEFT's rule).
+    merged = params_to_hf(base_cfg, load_pretrained(out / "model")[2])
+    base_hf = params_to_hf(base_cfg, base)
+    name = "model.layers.1.mlp.down_proj"
+    delta = config["lora_alpha"] / config["r"] * (
+        adapter[f"base_model.model.{name}.lora_B.weight"]
+        @ adapter[f"base_model.model.{name}.lora_A.weight"])
+    assert abs(delta).max() > 0
+    np.testing.assert_allclose(merged[name + ".weight"], base_hf[name + ".weight"] + delta,
+                               rtol=1e-5, atol=1e-6)
+    assert (out / "model" / "tokenizer.json").exists()
+    # Checkpoints hold the adapters' state (and their moments), not the model's.
+    import jax
+    import orbax.checkpoint as ocp
+    saved = ocp.StandardCheckpointer().metadata(run_dir / "checkpoints" / "3" / "state")
+    names = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(saved.item_metadata)[0]]
+    params = [n for n in names if n.startswith("['params']")]
+    assert len(params) == 2 * 7 * base_cfg.num_hidden_layers
+    assert all("_lora_" in n for n in params) and not any("embedding" in n for n in names)
 
 
 def test_a_failure_the_job_may_not_survive_ends_it_with_the_error(tmp_path, cache_dir):

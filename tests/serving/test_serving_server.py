@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from fnrl.models.checkpoint_files import SCALING_TENSOR, peft_names
 from fnrl.relay.client import RelayClient
 from fnrl.serving.client import RolloutClient, ServerError
 from fnrl.serving.server import (ServerSpec, kv_bytes_per_token, kv_reservation_bytes,
@@ -168,6 +169,50 @@ def test_pull_serves_new_weights_and_forgets_cached_prefixes(
     # Nothing newer on the relay: pulling is a no-op.
     assert run(server_url, lambda c: c.pull(relay_address)) == new
     assert run(server_url, greedy) == new_greedy
+
+
+def adapter_version(base: dict[str, np.ndarray], seed: int, rank: int = 4, scaling: float = 2.0,
+                    targets: tuple[str, ...] = ("_proj",)
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(published LoRA version in PEFT's layout, the base with it merged): random A and B
+    on the projections whose names end with one of `targets`, as a trained adapter."""
+    rng = np.random.default_rng(seed)
+    published, merged = {SCALING_TENSOR: np.asarray([scaling], np.float32)}, dict(base)
+    for name in base:
+        if name.endswith(".weight") and name[: -len(".weight")].endswith(targets):
+            module = name[: -len(".weight")]
+            out_dim, in_dim = base[name].shape
+            a = rng.normal(0, 0.3, (rank, in_dim)).astype(np.float32)
+            b = rng.normal(0, 0.3, (out_dim, rank)).astype(np.float32)
+            a_name, b_name = peft_names(module)
+            published[a_name], published[b_name] = a, b
+            merged[name] = (base[name] + scaling * b @ a).astype(base[name].dtype)
+    return published, merged
+
+
+def test_adapter_versions_merge_into_the_base_each_time(
+    server_url, relay_address, tiny_model_dir, base_weights
+):
+    """A LoRA version (adapters alone) is merged into the checkpoint the server started
+    from, never into the previous merge: its log-probs are transformers' on base + s·B·A,
+    version after version, and a full version after it is served as it is."""
+    # The last adapts q and gate alone: vLLM fuses them with k, v and up, which must be
+    # sent with them (as the base's) or be left uninitialised.
+    for seed, targets in ((1, ("_proj",)), (2, ("_proj",)), (3, ("q_proj", "gate_proj"))):
+        if seed != 2:   # from the base (a run's targets never change; other tests' weights)
+            serve(server_url, relay_address, base_weights)
+        published, merged = adapter_version(base_weights, seed, targets=targets)
+        assert sum(v.nbytes for v in published.values()) < sum(
+            v.nbytes for v in base_weights.values()) / 4
+        serve(server_url, relay_address, published)
+        completions = run(server_url, lambda c: c.generate(PROMPT, n=4, max_tokens=16, seed=3,
+                                                             temperature=1.0))
+        model = hf_model(tiny_model_dir, merged)
+        for c in completions:
+            np.testing.assert_allclose(c.logprobs, hf_logprobs(model, PROMPT, c.token_ids),
+                                       rtol=0, atol=1e-4)
+    serve(server_url, relay_address, base_weights)
+    assert run(server_url, greedy) == hf_greedy(hf_model(tiny_model_dir, base_weights), PROMPT, 12)
 
 
 def test_pull_from_dead_relay_fails_and_server_keeps_serving(server_url):

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.config import AlgoConfig, LoraConfig, TrainerConfig
 from fnrl.models.decoder import DecoderConfig
 from fnrl.models.synthetic import QWEN25_05B
 from fnrl.trainer.memory import resolve_for_device
-from fnrl.trainer.platform import describe, model_kernels, resolve_trainer
+from fnrl.trainer.platform import describe, model_kernels, resolve_trainer, storage_dtype
 
 _FIELDS = {f.name for f in dataclasses.fields(DecoderConfig)}
 QWEN = DecoderConfig(**{k: v for k, v in QWEN25_05B.items() if k in _FIELDS})
@@ -57,7 +57,15 @@ def test_kernels_need_a_resolved_config_and_packing_bounds_the_runs():
     with pytest.raises(ValueError, match="resolve_trainer first"):
         model_kernels(TrainerConfig())
     tc, _ = resolve_trainer(TrainerConfig(pack_rows=4, pack_max_segments=16), platform="cpu")
-    assert model_kernels(tc) == {"remat": "none", "attention": "xla", "max_segments": 16}
+    assert model_kernels(tc) == {"remat": "none", "attention": "xla", "max_segments": 16,
+                                 "lora": None}
+    lora = LoraConfig(rank=4)
+    tc, _ = resolve_trainer(TrainerConfig(lora=lora), platform="cpu")
+    assert model_kernels(tc)["lora"] == lora
+    assert storage_dtype(tc) == "float32"   # the base in the compute dtype (auto)
+    assert storage_dtype(dataclasses.replace(tc, lora=LoraConfig(rank=4, base_dtype="bfloat16"))
+                         ) == "bfloat16"
+    assert storage_dtype(dataclasses.replace(tc, lora=LoraConfig())) == tc.param_dtype
     with pytest.raises(ValueError, match="platform must be one of"):
         resolve_trainer(TrainerConfig(), platform="metal")
 
