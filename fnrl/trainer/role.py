@@ -145,7 +145,8 @@ class Trainer:
             batch_sharding(self.mesh), micro_batches=tc.micro_batches,
             logprob_chunk=tc.logprob_chunk,
             ref_sharding=self._param_sh if self.ref_params is not None else None,
-            matmul_precision=tc.matmul_precision, frozen_sharding=self._frozen_sh)
+            matmul_precision=tc.matmul_precision, frozen_sharding=self._frozen_sh,
+            lora_scaling=self.lora.scaling if self.lora is not None else 0.0)
 
     def _fit_remat_to_device(self) -> None:
         """On an accelerator, the automatic remat checked against XLA's plan of the step

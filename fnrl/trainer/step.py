@@ -21,7 +21,7 @@ from flax import nnx
 from fnrl.config import AlgoConfig
 from fnrl.losses.correction import mismatch_metrics
 from fnrl.losses.objective import Objective, as_objective, build_objective
-from fnrl.models.lora import join
+from fnrl.models.lora import delta_change_norm, join
 from fnrl.trainer.logprobs import model_logprobs, model_logprobs_and_values, value_head_init
 
 Params = Any
@@ -192,7 +192,8 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
                micro_sharding: jax.sharding.NamedSharding | None = None,
                logprob_chunk: int = 0, temperature: float = 1.0, top_k: int = -1,
                top_p: float = 1.0, critic_optimizer: optax.GradientTransformation | None = None,
-               value_trunk_grad: bool = False) -> tuple[TrainState, dict]:
+               value_trunk_grad: bool = False, lora_scaling: float = 0.0
+               ) -> tuple[TrainState, dict]:
     """One policy-gradient update on one batch. Pure: jit it once, with donation.
 
     `loss_fn` is an Objective (fnrl.losses) or a bare term. The batch is split into
@@ -217,7 +218,9 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
 
     `frozen`: with LoRA (fnrl.models.lora) the state's params are the adapters alone and
     this is the rest of the model, which gets no gradient. The KL reference is then the
-    base itself (the adapters zeroed, B = 0): no second copy of the model.
+    base itself (the adapters zeroed, B = 0): no second copy of the model, and
+    `update_ratio` is ‖Δ(s·A·B)‖ / ‖base‖ (`lora_scaling` is s): how far the update moves
+    the model, as without adapters, not the adapters' own relative change.
     """
     objective = as_objective(loss_fn)
     with_values = "values_BxT" in objective.needs
@@ -307,8 +310,13 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
         if with_values:
             critic_updates = scale(critic_updates)
         gate_ok = _within_bounds(metrics, controls)
-        metrics["update_ratio"] = optax.tree.norm(updates) / jnp.maximum(
-            optax.tree.norm(state.params), 1e-12)
+        if frozen is None:
+            metrics["update_ratio"] = optax.tree.norm(updates) / jnp.maximum(
+                optax.tree.norm(state.params), 1e-12)
+        else:
+            metrics["update_ratio"] = delta_change_norm(
+                state.params, optax.apply_updates(state.params, updates), lora_scaling
+            ) / jnp.maximum(optax.tree.norm(frozen), 1e-12)
         metrics["gate_refused"] = 1.0 - gate_ok.astype(jnp.float32)
     params = optax.apply_updates(state.params, updates)
     # A NaN or Inf anywhere makes the global norm non-finite: one reduction, already
@@ -368,7 +376,7 @@ def _with_matmul_precision(fn: Callable, precision: str) -> Callable:
 def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, batch_sharding, *,
                        micro_batches: int = 1, ref_sharding=None, objective: Objective | None = None,
                        logprob_chunk: int = 0, matmul_precision: str | None = None,
-                       frozen_sharding=None):
+                       frozen_sharding=None, lora_scaling: float = 0.0):
     """jax.jit of `train_step` for `algo`'s objective, with explicit shardings and donation.
 
     `matmul_precision` ("default", "high", "highest"; None or "auto": the platform's
@@ -393,7 +401,7 @@ def compile_train_step(graphdef, optimizer, algo: AlgoConfig, state_sharding, ba
                              logprob_chunk=logprob_chunk, temperature=algo.temperature,
                              top_k=algo.top_k, top_p=algo.top_p,
                              critic_optimizer=critic_optimizer,
-                             value_trunk_grad=algo.value_trunk_grad)
+                             value_trunk_grad=algo.value_trunk_grad, lora_scaling=lora_scaling)
     if matmul_precision not in (None, "auto"):
         step = _with_matmul_precision(step, matmul_precision)
     replicated = (jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from fnrl.config import (FaultConfig, RelayConfig, RolloutConfig, RunConfig, TrainerConfig)
+from fnrl.config import (FaultConfig, LoraConfig, RelayConfig, RolloutConfig, RunConfig,
+                         TrainerConfig)
 from fnrl.control.memory import (CONTROLLER_BYTES, RELAY_PROCESS_BYTES, check_plan,
                                  plan_memory, trainer_batch_shape)
 from fnrl.serving.server import SERVER_PROCESS_BYTES
@@ -97,3 +98,12 @@ def test_a_multi_node_plan_is_checked_per_machine():
                                          r"relay0 2\.00, server0 6\.00, server1 6\.00 but has "
                                          r"20\.00 GiB available"):
         check_plan_per_machine(plan, one, {"127.0.0.1": 20 * gib})
+
+
+def test_with_lora_relays_hold_adapters_and_servers_the_base_they_merge_into():
+    lora = LoraConfig(rank=2, targets=("q_proj", "down_proj"))
+    cfg = dataclasses.replace(_cfg(), trainer=TrainerConfig(length_buckets=(8, 64), lora=lora))
+    roles = {r.role: r for r in plan_memory(TINY, cfg, context_len=8).roles}
+    version = 2 * 160   # bfloat16 adapters (tests/trainer/test_trainer_memory.py)
+    assert roles["relay1"].peak_bytes == 3 * version + RELAY_PROCESS_BYTES
+    assert dict(roles["server0"].items)["LoRA base of the adapted projections"] == 2 * 384

@@ -8,8 +8,8 @@ import pytest
 
 from fnrl.config import LoraConfig
 from fnrl.models.decoder import DecoderConfig, forward, init_model, logical_axes
-from fnrl.models.lora import (SCALING_TENSOR, init_adapters, join, merge, peft_tensors,
-                              split_adapters)
+from fnrl.models.lora import (SCALING_TENSOR, delta_change_norm, init_adapters, join, merge,
+                              peft_tensors, split_adapters)
 from fnrl.models.hf_io import params_to_hf
 from fnrl.models.synthetic import SMALL_SHAPES, random_params
 from tolerances import assert_close
@@ -110,3 +110,15 @@ def test_peft_layout_merges_as_peft_does():
             assert a.shape[0] == LORA.rank and b.shape[1] == LORA.rank
             assert_close(hf_merged[name + ".weight"],
                          hf_base[name + ".weight"] + LORA.scaling * b @ a)
+
+
+def test_delta_change_norm_is_the_merged_weights_change():
+    cfg = _cfg("llama")
+    old, new = _with_random_b(cfg, LORA, seed=6), _with_random_b(cfg, LORA, seed=7)
+    base = jax.tree.map(np.asarray, random_params(cfg, 0, init_std=0.1))
+    want = np.sqrt(sum(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2)
+                       for x, y in zip(jax.tree.leaves(merge(join(new, base), LORA)),
+                                       jax.tree.leaves(merge(join(old, base), LORA)))))
+    assert want > 0
+    np.testing.assert_allclose(float(delta_change_norm(old, new, LORA.scaling)), want, rtol=1e-4)
+    assert float(delta_change_norm(old, old, LORA.scaling)) < 1e-3 * want

@@ -119,7 +119,7 @@ def test_launch_refuses_before_starting_when_memory_is_short(model_dir, tmp_path
     monkeypatch.setattr(server, "kv_in_host_memory", lambda: True)
     monkeypatch.setattr(server, "read_host_memory", lambda: memory(1.5, 6))
     log = tmp_path / "vllm.log"
-    with pytest.raises(ValueError, match=f"(?s)need 1.51 GiB.*{model_dir}.*1.50 GiB of 24"):
+    with pytest.raises(ValueError, match=f"(?s)need 1.81 GiB.*{model_dir}.*1.50 GiB of 24"):
         server.launch_server(spec(model_dir), log)
     assert not log.exists()  # nothing was started
     with pytest.raises(ValueError, match="kv_memory_fraction=0.25"):  # 2 GiB of node 0

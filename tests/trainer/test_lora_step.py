@@ -12,7 +12,7 @@ import pytest
 from fnrl.config import AlgoConfig, LoraConfig
 from fnrl.models.decoder import logical_axes
 from fnrl.models.hf_io import load_pretrained
-from fnrl.models.lora import split_adapters
+from fnrl.models.lora import delta_change_norm, split_adapters
 from fnrl.sharding.mesh import batch_sharding, make_mesh, shardings_for
 from fnrl.trainer.step import (compile_train_step, init_state, make_optimizer, pack_sequences,
                                place_params, state_shardings, token_logprobs)
@@ -32,7 +32,7 @@ def _batch(graphdef, params):
     return batch
 
 
-def _run(model_dir, algo, mesh_shape, steps=2):
+def _run(model_dir, algo, mesh_shape, steps=2, controls=None):
     _, graphdef, params = load_pretrained(model_dir, lora=LORA, adapter_seed=0)
     model_cfg = load_pretrained(model_dir)[0]
     batch = _batch(graphdef, params)
@@ -41,13 +41,14 @@ def _run(model_dir, algo, mesh_shape, steps=2):
         split_adapters(params), split_adapters(shardings_for(
             logical_axes(model_cfg, LORA), params, mesh)))
     opt = make_optimizer(algo)
-    frozen = place_params(dict(base), base_sh)
+    frozen = place_params(jax.tree.map(np.copy, base), base_sh)   # it empties its input
     state = jax.device_put(init_state(adapters, opt), state_shardings(opt, adapters, adapter_sh))
     step = compile_train_step(graphdef, opt, algo, state_shardings(opt, adapters, adapter_sh),
-                              batch_sharding(mesh), frozen_sharding=base_sh)
+                              batch_sharding(mesh), frozen_sharding=base_sh,
+                              lora_scaling=LORA.scaling)
     metrics = []
     for _ in range(steps):
-        state, m = step(state, batch, None, None, frozen)
+        state, m = step(state, batch, None, controls, frozen)
         metrics.append(jax.device_get(m))
     return base, frozen, state, metrics
 
@@ -62,6 +63,7 @@ def test_lora_step_trains_the_adapters_and_starts_at_the_base(tiny_model_dir, kl
         assert abs(metrics[0]["kl/loss"]) < 1e-7 and abs(metrics[1]["kl/loss"]) > 1e-9
     assert int(state.step) == 2 and metrics[1]["logp_abs_diff"] > 1e-4
     # The frozen base went in and came out untouched (not donated, not updated).
+    assert len(jax.tree.leaves(frozen)) == len(jax.tree.leaves(base)) > 10
     for got, want in zip(jax.tree.leaves(frozen), jax.tree.leaves(base)):
         np.testing.assert_array_equal(np.asarray(got), want)
     bs = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
@@ -78,3 +80,19 @@ def test_lora_step_sharded_equals_one_device(tiny_model_dir):
     for got, want in zip(jax.tree.leaves(eight.params), jax.tree.leaves(one.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=2e-5)
     assert_close(m8[1]["loss"], m1[1]["loss"])
+
+
+def test_lora_update_ratio_is_the_models_not_the_adapters(tiny_model_dir):
+    """The update_ratio gate bounds how far a step moves the model: with adapters, the
+    merged weights' change over the base's norm (the adapters' own relative change is
+    large at the start, B = 0: the gate rolled every LoRA run back at version 1)."""
+    algo = AlgoConfig(learning_rate=1e-4)
+    controls = {"lr_scale": np.float32(1.0), "max": {}, "min": {}}
+    base, _, state, metrics = _run(tiny_model_dir, algo, (1, 1, 1), steps=1, controls=controls)
+    _, _, fresh = load_pretrained(tiny_model_dir, lora=LORA, adapter_seed=0)
+    want = float(delta_change_norm(split_adapters(fresh)[0], jax.device_get(state.params),
+                                   LORA.scaling)) / np.sqrt(sum(
+                                       np.sum(np.square(x.astype(np.float64)))
+                                       for x in jax.tree.leaves(base)))
+    assert want > 0
+    np.testing.assert_allclose(metrics[0]["update_ratio"], want, rtol=1e-4)

@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
-from fnrl.config import AlgoConfig, TrainerConfig
+from fnrl.config import AlgoConfig, LoraConfig, TrainerConfig
 from fnrl.models.decoder import ATTENTION_BLOCK, DecoderConfig
 from fnrl.trainer.memory import (ATTENTION_BLOCK_COPIES, PROCESS_BYTES, PROCESS_BYTES_PER_PARAM,
+                                 adapter_param_count, adapted_param_count,
                                  activation_bytes_per_token_layer, param_count, trainer_memory)
 
 # V=100, E=8, I=16, 2 layers, H=2 heads, K=1 kv head, D=4, tied, Qwen2 (q/k/v biases).
@@ -128,3 +129,25 @@ def test_device_plan_splits_weights_over_fsdp_and_rows_over_data():
     assert dict(four.resident)["params"] == dict(one.resident)["params"] // 2
     acts = [k for k in dict(one.backward) if k.startswith("activations")][0]
     assert dict(four.backward)[acts] == dict(one.backward)[acts] // 4
+
+
+def test_lora_figures_by_hand():
+    """Rank 2 on q and down of TINY: q's A 8x2 + B 2x(2x4), down's A 16x2 + B 2x8, per
+    layer 16 + 16 + 32 + 16 = 80, so 160 adapter parameters; they alone are optimised,
+    checkpointed and published, and the base (2,024) is frozen in bfloat16 (the compute
+    dtype), with no KL reference beside it."""
+    lora = LoraConfig(rank=2, targets=("q_proj", "down_proj"))
+    assert adapter_param_count(TINY, lora) == 160
+    assert adapted_param_count(TINY, lora) == 2 * (8 * 8 + 16 * 8)
+    trainer = TrainerConfig(compute_dtype="bfloat16", lora=lora)
+    tm = trainer_memory(TINY, trainer, AlgoConfig(kl_coef=0.1), rows=4, length=8)
+    n, t = 2024, 160
+    resident = dict(tm.resident)
+    assert resident["frozen base (bfloat16)"] == 2 * n and resident["LoRA adapters"] == 4 * t
+    assert resident["Adam moments"] == 8 * t and "KL reference weights" not in resident
+    backward = dict(tm.backward)
+    assert backward["gradients"] == 4 * t and "tied embedding's second gradient" not in backward
+    assert "weights in bfloat16" not in backward   # the base is held in it already
+    assert dict(tm.update) == {"gradients": 4 * t, "AdamW temporaries": 12 * t}
+    assert dict(tm.save) == {"checkpoint copy of the state": 12 * t,
+                             "adapters for the relay": 4 * t}
