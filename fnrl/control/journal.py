@@ -13,16 +13,27 @@ trainer's newest checkpoint, `replay` rebuilds the controller's state: which gro
 are outstanding, which were consumed, and how far the prompt stream had gone. A
 `consume` without `trained` was applied exactly when the restored trainer's version is
 past it (the trainer checkpoints a step before it answers), so no batch is trained
-twice or lost. A torn last line (a crash mid-write) is ignored, and cut off before
-the journal is appended to again.
+twice or lost.
+
+Exactly-once is defined against this file, so its records are framed with a checksum
+(fnrl.shell.records): a torn last record (a crash mid-write: the action it recorded never
+happened) is dropped and cut off before the journal is appended to again; a damaged
+record in the middle raises `DamagedRecord` naming the file and byte offset, before any
+role starts (`check`). It is never cut there: the records after it are the only memory
+of groups already trained, and replaying without them would train those groups again.
+One writer (the controller) appends; with `coord.pool_fsync` every record is fsynced
+before the action it records, else the OS flushes it (a crash of the controller loses
+nothing written; a crash of the machine may cut the tail, which a resume then reads as
+torn).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fnrl.shell import records as framed
 
 
 @dataclass(frozen=True)
@@ -53,24 +64,26 @@ class Replayed:
         return [g for g in self.groups if g.problem["uid"] not in done]
 
 
-def _good_records(path: Path) -> tuple[list[dict], int]:
-    """The records before the first torn line, and the byte length they span."""
-    records, good = [], 0
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break   # a torn tail: the action it recorded never happened
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-            good += len(line)
-    return records, good
-
-
 def records(path: Path) -> list[dict]:
-    """The journal's records up to the first torn line ([] without a journal)."""
-    return _good_records(path)[0] if path.exists() else []
+    """The journal's records, a torn tail dropped ([] without a journal); raises
+    `fnrl.shell.records.DamagedRecord` for damage in the middle."""
+    return framed.read(path).records
+
+
+def check(path: Path) -> None:
+    """Raises `DamagedRecord` (a ValueError) if the journal is damaged in the middle,
+    saying what the run's owner can do: called before any role starts."""
+    try:
+        framed.read(path)
+    except framed.DamagedRecord as err:
+        run_dir = path.parent
+        raise err.advised(
+            "Resuming would train the groups recorded after it a second time, so the run "
+            f"does not start. To go on: put back a copy of {path.name} if there is one; or "
+            f"start a new run from this one's newest checkpoint (python -m "
+            f"fnrl.experiments.export {run_dir}, then --model.model-dir "
+            f"{run_dir}/export/vN/model with a new --run-dir), which keeps the weights but "
+            "not the optimizer's moments or the position in the prompt stream") from None
 
 
 def replay(path: Path, *, trainer_version: int) -> Replayed:
@@ -83,7 +96,7 @@ def replay(path: Path, *, trainer_version: int) -> Replayed:
     pending: dict[int, tuple[str, ...]] = {}
     trained = 0
     lr_scale, rollbacks = 1.0, 0
-    for r in _good_records(path)[0]:
+    for r in framed.read(path).records:
         ev = r["ev"]
         if ev == "gate":
             lr_scale, rollbacks = r["lr_scale"], r["rollbacks"]
@@ -116,11 +129,11 @@ class Journal:
         # the fragment, and the next replay would lose it and everything after.
         if self.path.exists():
             with open(self.path, "r+b") as f:
-                f.truncate(_good_records(self.path)[1])
+                f.truncate(framed.read(self.path).good_bytes)
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, ev: str, **fields) -> None:
-        self._f.write(json.dumps({"ev": ev, **fields}) + "\n")
+        self._f.write(framed.frame({"ev": ev, **fields}))
         if self.fsync:
             self._f.flush()
             os.fsync(self._f.fileno())

@@ -47,6 +47,7 @@ from fnrl.control.loop import Controller
 from fnrl.control.memory import (check_gpu_split, check_plan, jax_on_gpu, plan_local_gpu,
                                  plan_memory, read_gpus)
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
+from fnrl.control import journal
 from fnrl.control.report import across_attempts, learned_nothing
 from fnrl.control.roles import Cluster, LocalLauncher, Stopped
 from fnrl.control.supervisor import JobRestart
@@ -238,6 +239,9 @@ def run(cfg: RunConfig) -> dict:
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
+    # A journal damaged in the middle would train groups twice: refused before any role
+    # starts, naming the file and offset (fnrl.control.journal.check).
+    journal.check(run_dir / "journal.jsonl")
     if cost_path is not None:  # the fitted model with its measurements, beside the run
         shutil.copyfile(cost_path, run_dir / COST_FILE_NAME)
     # Data are read and validated before any role starts: a missing file or a bad row

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from fnrl.policy.seeding import request_seed
+from fnrl.control.journal import records as journal_records
 
 from fakes import FakeRollout
 from test_loop import make_cfg, make_roles, run
@@ -30,7 +31,7 @@ class SeedRecorder(FakeRollout):
 
 
 def _journal(run_dir):
-    return [json.loads(line) for line in (run_dir / "journal.jsonl").read_text().splitlines()]
+    return journal_records(run_dir / "journal.jsonl")
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

@@ -10,6 +10,7 @@ from fnrl.config import GatesConfig, RunConfig
 from fnrl.control.gating import STOP_REPORT, Gating
 from fnrl.control.journal import Journal, replay
 from fnrl.trainer.controls import split_controls
+from fnrl.control.journal import records as journal_records
 
 CLEAN = {"mismatch/kl_k3": 1e-4, "mismatch/is_p01": 0.95, "mismatch/is_p99": 1.05,
          "ppo_clip/clip_frac": 0.0, "grad_norm": 0.2, "update_ratio": 1e-3, "loss": 0.1,
@@ -56,7 +57,7 @@ def test_a_firing_is_logged_three_ways_and_its_actions_ride_with_the_next_batch(
     assert rollback == 1 and controls["lr_scale"] == np.float32(0.1)
     assert g.sent() == -1   # a rollback goes out once
     journal.close()
-    gate = [json.loads(l) for l in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    gate = journal_records(tmp_path / "journal.jsonl")
     assert gate[0]["ev"] == "gate" and gate[0]["lr_scale"] == 0.1 and gate[0]["rollbacks"] == 1
     # A restarted controller resumes with the lowered rate.
     again, j2, _, _ = _gating(tmp_path)

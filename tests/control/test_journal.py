@@ -2,7 +2,10 @@
 
 import json
 
-from fnrl.control.journal import Journal, replay
+import pytest
+
+from fnrl.control.journal import Journal, check, records, replay
+from fnrl.shell.records import DamagedRecord, frame
 
 
 def _problem(uid):
@@ -46,8 +49,7 @@ def test_a_torn_tail_is_ignored_and_a_missing_journal_is_a_fresh_run(tmp_path):
     assert r.prompts_taken == 4 and r.consumed == {"a", "b"}
     assert [g.uids for g in r.outstanding()] == [("c/0", "c/1")]
     assert replay(tmp_path / "none.jsonl", trainer_version=0).prompts_taken == 0
-    lines = (tmp_path / "j.jsonl").read_text().splitlines()
-    assert json.loads(lines[0])["ev"] == "fill"
+    assert records(tmp_path / "j.jsonl")[0]["ev"] == "fill"
 
 
 def test_records_after_a_torn_line_survive_the_next_restart(tmp_path):
@@ -63,5 +65,44 @@ def test_records_after_a_torn_line_survive_the_next_restart(tmp_path):
     assert r.prompts_taken == 5 and r.consumed == {"a", "b", "c"}
     assert [g.problem["uid"] for g in r.outstanding()] == ["f"]
     assert r.trained_steps == 3
-    for line in path.read_text().splitlines():
-        json.loads(line)
+    assert len(records(path)) == len(path.read_text().splitlines())   # nothing fused
+
+
+def _damage_line(path, index, new_line):
+    lines = path.read_bytes().splitlines(keepends=True)
+    offset = sum(len(line) for line in lines[:index])
+    lines[index] = new_line
+    path.write_bytes(b"".join(lines))
+    return offset
+
+
+@pytest.mark.parametrize("damage", [b'{"ev": "fill", "problem": {"uid": "x"\n',   # inserted junk
+                                    None])                                        # a flipped byte
+def test_damage_in_the_middle_refuses_with_the_offset_and_cuts_nothing(tmp_path, damage):
+    path = tmp_path / "journal.jsonl"
+    _write(path, trained_last=True)
+    line = path.read_bytes().splitlines(keepends=True)[5]      # the first consume
+    bad = damage or line.replace(b'"a"', b'"A"')                 # the checksum no longer holds
+    offset = _damage_line(path, 5, bad)
+    size = path.stat().st_size
+    for read in (lambda: replay(path, trainer_version=2), lambda: Journal(path), lambda: check(path)):
+        with pytest.raises(DamagedRecord) as err:
+            read()
+        assert err.value.offset == offset and err.value.index == 5 and err.value.valid_after == 3
+        assert f"byte {offset}" in str(err.value) and str(path) in str(err.value)
+    assert "second time" in str(err.value) and "fnrl.experiments.export" in str(err.value)
+    assert path.stat().st_size == size   # the journal is not cut at the damage
+
+
+def test_garbage_after_the_last_record_is_a_torn_tail_and_old_journals_still_read(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    _write(path, trained_last=True)
+    with open(path, "ab") as f:
+        f.write(b"\x00\x17garbage\n" + frame({"ev": "fill"})[:12].encode())
+    assert len(records(path)) == 9
+    Journal(path).close()   # cuts the tail
+    assert len(path.read_text().splitlines()) == 9
+    # A journal written before framing (plain JSON lines) is read as it is.
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps(r) + "\n" for r in records(path)))
+    assert replay(old, trainer_version=2) == replay(path, trainer_version=2)

@@ -16,6 +16,7 @@ from fnrl.control.metrics import read_jsonl
 from fnrl.control.report import across_attempts
 from fnrl.control.supervisor import JobRestart
 from fnrl.experiments.presets import apply_preset
+from fnrl.control.journal import records as journal_records
 
 from fakes import FakeRelays, FakeRollout, FakeTrainer, VirtualClock, fake_task
 
@@ -243,8 +244,9 @@ def test_a_controller_killed_twice_with_a_torn_journal_resumes_exactly_once(tmp_
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, version=trainer.version)
     assert trainer.version == 9 and trainer.trained == list(range(9))
     check_consumed(tmp_path, cfg.coord.eta, 9 * GROUPS)
-    for line in (tmp_path / "journal.jsonl").read_text().splitlines():
-        json.loads(line)                                      # no fused records
+    # No fused records: every line is one framed record (no torn tail, no damage).
+    assert len(journal_records(tmp_path / "journal.jsonl")) == len(
+        (tmp_path / "journal.jsonl").read_text().splitlines())
     total = across_attempts(tmp_path)
     assert total["attempts"] == 3 and total["killed_attempts"] == 2
     assert total["consumed_groups_all"] == 9 * GROUPS
@@ -263,7 +265,7 @@ def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_
     trainer.version = 2 + cfg.coord.eta + 2
     relays.published.append(trainer.version)
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, version=trainer.version)
-    discarded = [u for r in read_jsonl(tmp_path / "journal.jsonl") if r["ev"] == "discard"
+    discarded = [u for r in journal_records(tmp_path / "journal.jsonl") if r["ev"] == "discard"
                  for u in r["uids"]]
     assert discarded and summary["recovery_discarded_tokens"] > 0
     # A discarded group starts again from its prompt: what it trains on is all new.

@@ -15,6 +15,7 @@ import pytest
 from fnrl.control.metrics import read_jsonl
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.experiments.math_grpo import main
+from fnrl.control.journal import records as journal_records
 
 from e2e_args import SMALL
 from test_presets_e2e import pool_records
@@ -41,7 +42,7 @@ def assert_nothing_lost(run_dir, *, steps: int, eta: int):
     for r in train:
         if not r.get("recovered_from_journal"):   # trained while no controller watched
             assert r["staleness_checked_tokens"] > 0 and r["staleness_checked_max"] <= eta
-    journal = [json.loads(l) for l in (run_dir / "journal.jsonl").read_text().splitlines()]
+    journal = journal_records(run_dir / "journal.jsonl")
     filled = {j["problem"]["uid"]: j["uids"] for j in journal if j["ev"] == "fill"}
     dropped = {g for j in journal if j["ev"] == "drop" for g in j["groups"]}
     consumed = [json.loads(l) for l in (run_dir / "trajectories.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ import pytest
 
 from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
+from fnrl.control.journal import records as journal_records
 
 from e2e_args import SMALL
 
@@ -53,7 +54,7 @@ def test_wrong_behaviour_logprobs_are_skipped_at_their_step(tmp_path, cache_dir)
     assert summary["refused_updates"] == summary["refused_updates_all"] == 1
     assert summary["skipped_updates"] == 0 and set(summary["gate_rules"]) <= {
         "mismatch_kl", "is_weight", "clip_frac"}
-    journal = [json.loads(l) for l in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    journal = journal_records(tmp_path / "journal.jsonl")
     assert any(j["ev"] == "gate" and j["version"] == 3 for j in journal)
 
 

@@ -126,3 +126,21 @@ def test_a_failure_the_job_may_not_survive_ends_it_with_the_error(tmp_path, cach
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_journal_damaged_in_the_middle_stops_the_resume_before_any_role_starts(
+        tmp_path, cache_dir, capsys):
+    from fnrl.shell.records import frame
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [frame({"ev": "fill", "problem": {"uid": f"p{i}"}, "uids": [], "lens": []})
+             for i in range(3)]
+    lines[1] = "this is not a record\n"
+    (run_dir / "journal.jsonl").write_text("".join(lines))
+    assert main(["--steps", "2", "--run-dir", str(run_dir), "--warm-start.cache-dir",
+                 cache_dir, *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert f"byte {len(lines[0])}" in err and "journal.jsonl" in err and "record 1" in err
+    assert not (run_dir / "roles.json").exists() and not (run_dir / "logs").exists()
+    assert (run_dir / "journal.jsonl").read_text() == "".join(lines)

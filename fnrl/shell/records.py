@@ -1,0 +1,111 @@
+"""Framed JSON lines: an append-only log whose reader can tell a torn tail from damage.
+
+Each record is one line, its CRC-32 in 8 hex digits, a space, then the JSON object:
+
+    3f1a09c2 {"ev": "fill", ...}
+
+A crash can only cut the last record short (a write that never finished): the reader
+drops that torn tail, the writer cuts it off before appending again, and nothing after
+it existed. A record that fails its check with valid records after it is damage in the
+middle (a bad disk, a stray write): dropping it or cutting the log there would silently
+lose what came after, so reading raises `DamagedRecord`, naming the file, the byte
+offset, the record's index and how many valid records follow, and the caller decides.
+What the write-ahead logs of databases do (PostgreSQL's WAL, Kafka's segments, both with
+a CRC per record), kept readable: `cut -d' ' -f2- FILE | jq` prints the records.
+
+Lines without a frame that parse as a JSON object are read as records too: logs written
+before framing (the same run resumed by a newer fnrl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from pathlib import Path
+
+__all__ = ["DamagedRecord", "Read", "frame", "read"]
+
+
+class DamagedRecord(ValueError):
+    """A record in the middle of a log fails its check: named, with what follows it."""
+
+    def __init__(self, path: Path, offset: int, index: int, reason: str, valid_after: int,
+                 advice: str = ""):
+        self.path, self.offset, self.index = Path(path), offset, index
+        self.reason, self.valid_after = reason, valid_after
+        super().__init__(f"{path}: record {index} at byte {offset} is damaged ({reason}) and "
+                         f"{valid_after} valid record(s) follow it: the file was damaged, "
+                         "not cut short by a crash" + (f". {advice}" if advice else ""))
+
+    def advised(self, advice: str) -> DamagedRecord:
+        """The same error, saying what the file's owner can do about it."""
+        return DamagedRecord(self.path, self.offset, self.index, self.reason,
+                             self.valid_after, advice)
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """A log's records in order, their byte offsets, and the torn tail dropped."""
+
+    records: list[dict]
+    offsets: list[int]
+    good_bytes: int           # the records' span: where a writer appends
+    torn_bytes: int = 0       # the bytes after it (a crash's cut-off record), dropped
+
+
+def frame(record: dict) -> str:
+    """`record` as one framed line, newline included."""
+    body = json.dumps(record)
+    return f"{zlib.crc32(body.encode()):08x} {body}\n"
+
+
+def _parse(line: bytes) -> tuple[dict | None, str]:
+    """(the record, "") or (None, why it is not one)."""
+    if not line.endswith(b"\n"):
+        return None, "no end of line"
+    text = line[:-1]
+    if len(text) > 9 and text[8:9] == b" " and not text.startswith(b"{"):
+        body = text[9:]
+        try:
+            want = int(text[:8], 16)
+        except ValueError:
+            return None, "no checksum"
+        if zlib.crc32(body) != want:
+            return None, "checksum mismatch"
+    else:
+        body = text   # unframed: a log written before framing
+    try:
+        record = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, "not JSON"
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    return record, ""
+
+
+def read(path: Path) -> Read:
+    """Every record of `path` ([] if it does not exist). A bad last record is a torn
+    tail: dropped. A bad record with any valid one after it raises `DamagedRecord`."""
+    path = Path(path)
+    if not path.exists():
+        return Read([], [], 0)
+    records, offsets = [], []
+    offset = 0
+    bad: tuple[int, int, str] | None = None   # (offset, index, reason) of the first bad line
+    valid_after = 0
+    with open(path, "rb") as f:
+        for line in f:
+            record, why = _parse(line)
+            if record is None and bad is None:
+                bad = (offset, len(records), why)
+            elif record is not None and bad is not None:
+                valid_after += 1
+            elif record is not None:
+                records.append(record)
+                offsets.append(offset)
+            offset += len(line)
+    if bad is not None and valid_after:
+        raise DamagedRecord(path, bad[0], bad[1], bad[2], valid_after)
+    good = bad[0] if bad is not None else offset
+    return Read(records, offsets, good, offset - good)
