@@ -61,6 +61,7 @@ class Controller:
         self.journal = journal.Journal(path, fsync=cfg.coord.pool_fsync)
         steps = max(trainer_version, self.replayed.trained_steps)
         self.book = Book(trainer_version=trainer_version, steps_done=steps)
+        self._count_pool_recovery()
         self.consumed = recovery.ConsumedLog(run_dir / "trajectories.jsonl", self.pool)
         self.attempts = report.Attempts(run_dir)
         self.plan = schedule.SchedulePlan(
@@ -140,6 +141,17 @@ class Controller:
             for closing in (self.supervisor, self.journal, self.consumed, self.pool, self.attempts):
                 closing.close()
             (self.run_dir / "timeline.json").write_text(json.dumps(self.svc.timeline))
+
+    def _count_pool_recovery(self) -> None:
+        """What opening the partial response pool dropped, counted and said: a torn
+        tail, and damage in the middle with the trajectories it broke (regenerated)."""
+        r, counts = self.pool.recovery, self.book.counts
+        counts["recovery_pool_torn_bytes"] += r.torn_bytes
+        counts["recovery_pool_damaged_bytes"] += r.damaged_bytes
+        counts["recovery_pool_discarded_trajectories"] += len(r.discarded_uids)
+        counts["recovery_pool_discarded_tokens"] += r.discarded_tokens
+        if r.damaged_bytes:
+            self.log(f"partial response pool: {r.describe(self.pool.path)}")
 
     @staticmethod
     def _evaluates_on_rollouts(cfg: RunConfig, roles: Roles) -> bool:

@@ -32,7 +32,8 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "migrations", "r
               "pulls_skipped_down", "evals_lost", "evals_skipped", "recovered_groups",
               "recovered_trajectories", "recovery_discarded_tokens", "reward_errors",
               "pull_retries", "episodes_resumed", "episodes_restarted", "env_errors",
-              "env_failed_groups")
+              "env_failed_groups", "recovery_pool_torn_bytes", "recovery_pool_damaged_bytes",
+              "recovery_pool_discarded_trajectories", "recovery_pool_discarded_tokens")
 
 
 def count_migrate(counts, cmd) -> None:

@@ -17,10 +17,21 @@ and, for multi-turn episodes (fnrl.control.episodes), the turn boundaries:
                                                   due to the environment (a tool call)
     {"op": "env_step", "uid", "info"}             the environment stepped on it; the
                                                   observation follows as fed tokens
-JSON keeps Python floats exact (repr round-trips), so the log-probs the loss later
-uses are bit-identical to what the engine sent. Opening replays the log; a torn last
-record (a crash mid-write: short header, short payload or bad CRC) is cut off, and
-nothing before it is lost. `compact` rewrites only the live trajectories.
+Every payload also carries "n", its trajectory's record count so far, so a missing
+record shows as a gap in its own trajectory. JSON keeps Python floats exact (repr
+round-trips), so the log-probs the loss later uses are bit-identical to what the engine
+sent. `compact` rewrites only the live trajectories.
+
+Opening replays the log. A torn last record (a crash mid-write: short header, short
+payload or bad CRC with nothing valid after it) is cut off, and nothing before it is
+lost. A bad record with valid ones after it is damage in the middle: the reader finds the
+next valid record (a header whose CRC holds over a JSON payload), replays everything
+after it, and discards only the trajectories the damage broke: those with a gap in their
+"n" (or whose start was lost). They are regenerated from their prompts; every other
+trajectory, before or after the damage, is kept. A log written before "n" existed cannot
+say which trajectory the damage hit: every trajectory live at that point is discarded.
+The damaged file is kept beside the log (`<log>.damaged`), the log is compacted, and
+`recovery` says what was dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +48,25 @@ from fnrl.shell.files import write_atomic
 from fnrl.types import Segment
 
 _HEADER = struct.Struct("<II")
+
+
+@dataclass(frozen=True)
+class PoolRecovery:
+    """What opening the pool dropped: a torn tail, and damage in the middle with the
+    trajectories it broke (discarded whole) and their tokens."""
+
+    torn_bytes: int = 0
+    damaged_bytes: int = 0
+    damaged_offsets: tuple[int, ...] = ()
+    discarded_uids: tuple[str, ...] = ()
+    discarded_tokens: int = 0
+
+    def describe(self, path) -> str:
+        return (f"{path}: damaged at byte(s) {list(self.damaged_offsets)} "
+                f"({self.damaged_bytes} bytes unreadable); {len(self.discarded_uids)} "
+                f"trajectories it broke discarded ({self.discarded_tokens} tokens, to be "
+                f"generated again), every other one kept; the damaged file is kept as "
+                f"{path}.damaged")
 
 
 @dataclass(frozen=True)
@@ -67,8 +97,12 @@ class PartialResponsePool:
         self.path = Path(path)
         self.fsync = fsync
         self._items: dict[str, PartialResponse] = {}
-        self.recovered_bytes_dropped = self._replay()
+        self._counts: dict[str, int] = {}   # records written per trajectory ("n")
+        self.recovery = self._replay()
+        self.recovered_bytes_dropped = self.recovery.torn_bytes + self.recovery.damaged_bytes
         self._file = open(self.path, "ab")
+        if self.recovery.damaged_bytes:
+            self.compact()   # the damage is read once: the log from here on is whole
 
     # --- writing -------------------------------------------------------------------
 
@@ -138,22 +172,24 @@ class PartialResponsePool:
     def compact(self) -> None:
         """Rewrite the log with only live trajectories; atomic (write, fsync, rename)."""
         records = []
+        self._counts = {}
         for item in self._items.values():
-            records.append(_encode({"op": "start", "uid": item.uid, "prompt": list(item.prompt_ids)}))
+            records.append(self._numbered({"op": "start", "uid": item.uid,
+                                           "prompt": list(item.prompt_ids)}))
             for s in item.segments:
-                records.append(_encode({"op": "tokens", "uid": item.uid, "v": s.version,
-                                        "ids": list(s.token_ids), "lps": list(s.logprobs),
-                                        **({"fed": True} if s.fed else {})}))
+                records.append(self._numbered({"op": "tokens", "uid": item.uid, "v": s.version,
+                                               "ids": list(s.token_ids), "lps": list(s.logprobs),
+                                               **({"fed": True} if s.fed else {})}))
             # Steps after the tokens: the pending-turn flag is the last record's state.
-            records += [_encode({"op": "env_step", "uid": item.uid, "info": info})
+            records += [self._numbered({"op": "env_step", "uid": item.uid, "info": info})
                         for info in item.env_steps]
             if item.turn_closed:
-                records.append(_encode({"op": "turn_end", "uid": item.uid}))
+                records.append(self._numbered({"op": "turn_end", "uid": item.uid}))
             if item.finish_reason is not None:
-                records.append(_encode({"op": "finish", "uid": item.uid,
-                                        "reason": item.finish_reason,
-                                        **({"outcome": item.outcome}
-                                           if item.outcome is not None else {})}))
+                records.append(self._numbered({"op": "finish", "uid": item.uid,
+                                               "reason": item.finish_reason,
+                                               **({"outcome": item.outcome}
+                                                  if item.outcome is not None else {})}))
         self._file.close()
         write_atomic(self.path, b"".join(records), fsync=True)
         self._file = open(self.path, "ab")
@@ -169,8 +205,15 @@ class PartialResponsePool:
 
     # --- internals -------------------------------------------------------------------
 
+    def _numbered(self, record: dict) -> bytes:
+        """`record` encoded with its trajectory's record count ("n")."""
+        uid = record["uid"]
+        n = self._counts.get(uid, 0)
+        self._counts[uid] = n + 1
+        return _encode({**record, "n": n})
+
     def _write(self, record: dict) -> None:
-        self._file.write(_encode(record))
+        self._file.write(self._numbered(record))
         self._file.flush()
         if self.fsync:
             os.fsync(self._file.fileno())
@@ -203,27 +246,91 @@ class PartialResponsePool:
                                        outcome=r.get("outcome"))
         elif op == "drop":
             self._items.pop(uid, None)
+            self._counts.pop(uid, None)
 
-    def _replay(self) -> int:
-        """Rebuild from the log; cut a torn tail. Returns the bytes cut."""
+    def _replay(self) -> PoolRecovery:
+        """Rebuild from the log: cut a torn tail, step over damage in the middle (see
+        the module's docstring). Returns what was dropped."""
         if not self.path.exists():
-            return 0
+            return PoolRecovery()
         data = self.path.read_bytes()
-        pos = 0
+        pos, damaged_bytes, offsets = 0, 0, []
+        expected: dict[str, int] = {}     # the next "n" of each trajectory
+        broken: set[str] = set()          # trajectories the damage broke
+        numbered = False                  # records carry "n" (not a log from before it)
         while pos + _HEADER.size <= len(data):
-            size, crc = _HEADER.unpack_from(data, pos)
-            end = pos + _HEADER.size + size
-            payload = data[pos + _HEADER.size:end]
-            if end > len(data) or zlib.crc32(payload) != crc:
-                break
-            self._apply(json.loads(payload))
+            record = _decode(data, pos)
+            if record is None:
+                resume = _next_record(data, pos + 1)
+                if resume is None:
+                    break                 # nothing valid after it: a torn tail
+                offsets.append(pos)
+                damaged_bytes += resume - pos
+                if not numbered:
+                    broken.update(self._items)   # an old log: cannot say which; all live
+                pos = resume
+                continue
+            payload, end = record
+            uid = payload["uid"]
+            n = payload.get("n")
+            numbered = numbered or n is not None
+            if n is not None:
+                if payload["op"] == "start":
+                    expected[uid] = 0
+                if expected.get(uid) != n:
+                    broken.add(uid)       # a record of it was lost (or its start)
+                expected[uid] = n + 1
+            if uid not in broken and (payload["op"] == "start" or uid in self._items):
+                self._apply(payload)
+                self._counts[uid] = n + 1 if n is not None else self._counts.get(uid, 0) + 1
             pos = end
-        if pos < len(data):
+        torn = len(data) - pos
+        if torn:
             # Only the last record can be torn: records are appended whole and flushed in
             # order, so anything after the first bad one was never acknowledged.
             with open(self.path, "r+b") as f:
                 f.truncate(pos)
-        return len(data) - pos
+        if not offsets:
+            return PoolRecovery(torn_bytes=torn)
+        self.path.with_name(self.path.name + ".damaged").write_bytes(data)
+        gone = [uid for uid in self._items if uid in broken]
+        tokens = sum(self._items[uid].num_tokens for uid in gone)
+        for uid in gone:
+            self._items.pop(uid)
+            self._counts.pop(uid, None)
+        return PoolRecovery(torn_bytes=torn, damaged_bytes=damaged_bytes,
+                            damaged_offsets=tuple(offsets), discarded_uids=tuple(gone),
+                            discarded_tokens=tokens)
+
+
+
+def _decode(data: bytes, pos: int) -> tuple[dict, int] | None:
+    """(payload, end) of a valid record at `pos`, or None."""
+    if pos + _HEADER.size > len(data):
+        return None
+    size, crc = _HEADER.unpack_from(data, pos)
+    end = pos + _HEADER.size + size
+    if end > len(data):
+        return None
+    payload = data[pos + _HEADER.size:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        record = json.loads(payload)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or "uid" not in record or "op" not in record:
+        return None
+    return record, end
+
+
+def _next_record(data: bytes, pos: int) -> int | None:
+    """The offset of the first valid record at or after `pos`, or None: where reading
+    goes on after damage (a CRC over a JSON payload does not hold by chance)."""
+    for p in range(pos, len(data) - _HEADER.size + 1):
+        if _decode(data, p) is not None:
+            return p
+    return None
 
 
 def _encode(record: dict) -> bytes:

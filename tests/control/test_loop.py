@@ -254,6 +254,51 @@ def test_a_controller_killed_twice_with_a_torn_journal_resumes_exactly_once(tmp_
     assert plot_run(tmp_path).exists()
 
 
+def _a_record_with_a_later_one_of_its_live_trajectory(path):
+    """Offset of a tokens record whose trajectory has tokens before it, records after it,
+    and is still live (not dropped) at the end of the pool's log: damage there breaks
+    that trajectory, which then has tokens to discard."""
+    from fnrl.data.partial_pool import _decode
+
+    data, pos, seen = path.read_bytes(), 0, []
+    while (rec := _decode(data, pos)) is not None:
+        seen.append((pos, rec[0]))
+        pos = rec[1]
+    dropped = {r["uid"] for _, r in seen if r["op"] == "drop"}
+    for i, (offset, r) in enumerate(seen):
+        later = [x for _, x in seen[i + 1:] if x["uid"] == r["uid"]]
+        earlier = [x for _, x in seen[:i] if x["uid"] == r["uid"] and x["op"] == "tokens"]
+        if r["op"] == "tokens" and later and earlier and r["uid"] not in dropped:
+            return offset, r["uid"]
+    raise AssertionError("no live trajectory with two records in the pool")
+
+
+def test_a_pool_damaged_in_the_middle_regenerates_only_what_the_damage_broke(tmp_path):
+    cfg = make_cfg("fnrl", steps=8)
+    relays = FakeRelays()
+    trainer = FakeTrainer(relays)
+    roles = make_roles(trainer, relays, length=8, tokens_per_turn=1)
+    asyncio.run(_run_until(cfg, roles, tmp_path, 3))
+    pool_log = tmp_path / "partial_responses.log"
+    offset, uid = _a_record_with_a_later_one_of_its_live_trajectory(pool_log)
+    data = bytearray(pool_log.read_bytes())
+    data[offset + 12:offset + 28] = b"\xff" * 16
+    pool_log.write_bytes(bytes(data))
+    ctl, summary = run(cfg, make_roles(trainer, relays, length=8, tokens_per_turn=1), tmp_path,
+                       version=trainer.version)
+    assert trainer.version == 8 and trainer.trained == list(range(8))
+    check_consumed(tmp_path, cfg.coord.eta, 8 * GROUPS)   # every group once, none lost
+    assert summary["recovery_pool_damaged_bytes"] > 0
+    assert summary["recovery_pool_discarded_trajectories"] == 1   # the one it broke
+    assert summary["recovery_pool_discarded_tokens"] > 0
+    assert (tmp_path / "partial_responses.log.damaged").exists()
+    # The trajectory the damage broke was generated again from its prompt: what its
+    # group trained on holds no token of the damaged record's version... and is whole.
+    trained = [t for r in read_jsonl(tmp_path / "trajectories.jsonl") for t in r["trajectories"]
+               if t["uid"] == uid]
+    assert len(trained) == 1 and sum(n for _, n in trained[0]["segments"]) == 8
+
+
 def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_path):
     cfg = make_cfg("fnrl", steps=12)
     relays = FakeRelays()

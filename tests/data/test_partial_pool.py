@@ -107,3 +107,55 @@ def test_replay_equals_memory_up_to_any_crash(tmp_path_factory, chunks, cut):
         got = {u: pool.get(u) for u in pool.live()}
     if len(got) == 4:
         assert got in history or all(len(g.segments) == 0 for g in got.values())
+
+
+def _damaged_at(path, offset, n=16):
+    data = bytearray(path.read_bytes())
+    data[offset + 10:offset + 10 + n] = b"\x00" * n      # inside the record's payload
+    path.write_bytes(bytes(data) + b"\x13garbage")     # and a torn tail after everything
+
+
+def test_damage_in_the_middle_discards_only_the_trajectory_it_broke(tmp_path):
+    path = tmp_path / "pool.log"
+    with PartialResponsePool(path) as pool:
+        pool.start("a", [1])
+        pool.append("a", 0, [7, 8], [-0.5, -0.25])
+        pool.start("b", [2])
+        pool.append("b", 0, [9], [-1.0])
+        offset = path.stat().st_size
+        pool.append("a", 1, [10], [-0.125])        # the record the damage will hit
+        pool.append("a", 1, [11], [-0.5])          # ...with a later one of a: a gap
+        pool.append("b", 1, [12], [-2.0])
+        pool.finish("b", "stop")
+        pool.start("c", [3])                       # after the damage: untouched
+        pool.append("c", 1, [13, 14], [-0.5, -0.5])
+        before = {uid: pool.get(uid) for uid in ("b", "c")}
+    _damaged_at(path, offset)
+    with PartialResponsePool(path) as pool:
+        r = pool.recovery
+        assert r.damaged_offsets == (offset,) and r.damaged_bytes > 0 and r.torn_bytes == 8
+        assert r.discarded_uids == ("a",) and r.discarded_tokens == 2
+        assert pool.live() == ("b", "c") and {u: pool.get(u) for u in ("b", "c")} == before
+        assert "1 trajectories it broke discarded (2 tokens" in r.describe(path)
+        pool.append("c", 2, [15], [-0.5])          # writable, after the compacted log
+    assert (tmp_path / "pool.log.damaged").exists()
+    with PartialResponsePool(path) as pool:        # the damage was read once
+        assert pool.recovery.damaged_bytes == 0 and pool.live() == ("b", "c")
+        assert pool.get("c").num_tokens == 3
+
+
+def test_damage_in_a_log_from_before_numbering_discards_everything_live_at_it(tmp_path):
+    from fnrl.data.partial_pool import _encode
+
+    path = tmp_path / "pool.log"
+    records = [{"op": "start", "uid": "a", "prompt": [1]},
+               {"op": "tokens", "uid": "a", "v": 0, "ids": [7], "lps": [-0.5]},
+               {"op": "tokens", "uid": "a", "v": 0, "ids": [8], "lps": [-0.5]},
+               {"op": "start", "uid": "b", "prompt": [2]},
+               {"op": "tokens", "uid": "b", "v": 0, "ids": [9], "lps": [-0.5]}]
+    blobs = [_encode(r) for r in records]
+    path.write_bytes(b"".join(blobs))
+    _damaged_at(path, len(blobs[0]) + len(blobs[1]), n=4)
+    with PartialResponsePool(path) as pool:
+        assert pool.recovery.discarded_uids == ("a",) and pool.recovery.discarded_tokens == 1
+        assert pool.live() == ("b",) and pool.get("b").num_tokens == 1
