@@ -14,11 +14,24 @@ The price of k > 1 is replaying up to k - 1 steps at a restart; k = 1 replays no
 Orbax writes into a temporary directory and renames it when complete, so a save that
 is killed half way never hides the previous checkpoint: `latest_step` only sees
 finished ones. A logged batch is written to a temporary file and renamed likewise.
+
+A finished checkpoint is known good once sealed: after the save, `seal` writes a
+manifest of its files and sizes (`MANIFEST`). Storage can still damage it later (a
+truncated file, a lost one), so a resume takes the newest checkpoint whose files match
+its manifest and that Orbax restores (`restore_newest_good`), moves every one it skips to
+`checkpoints_bad/<step>` with the reason, and says so. Checking sizes costs a `stat` per
+file; a checksum of every byte would cost reading the state once more per save, which a
+step's stall cannot afford at scale: damage that keeps a file's size is caught by
+Orbax's own checks at restore, and then skipped the same way. The batch log keeps every
+batch from the oldest kept checkpoint on, so rolling forward from any of them reaches
+the version the trainer had.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +42,8 @@ import orbax.checkpoint as ocp
 
 
 _SCAN_ATTEMPTS = 5
+MANIFEST = "fnrl_manifest.json"
+"""In a sealed checkpoint's directory: {"files": {relative path: size in bytes}}."""
 
 
 class Checkpointer:
@@ -36,8 +51,12 @@ class Checkpointer:
 
     def __init__(self, directory: Path, *, max_to_keep: int = 2, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
+        self._options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True)
+        self._open()
+
+    def _open(self) -> None:
+        options = self._options
         # The manager scans the steps on creation. A warm standby scans while the live
         # trainer commits a step and deletes the oldest: a step can vanish mid-scan
         # (Orbax then fails on its missing metadata). Scan again: the race is short.
@@ -78,6 +97,66 @@ class Checkpointer:
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
+
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def seal(self, step: int) -> None:
+        """Records checkpoint `step`'s files and sizes (call after `wait`): from now on a
+        resume can tell whether storage has damaged it."""
+        root = self.step_dir(step)
+        files = {str(p.relative_to(root)): p.stat().st_size
+                 for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+        tmp = root / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"files": files}))
+        os.replace(tmp, root / MANIFEST)
+
+    def verify(self, step: int) -> str | None:
+        """Why checkpoint `step` does not match its manifest (a file missing or of another
+        size), or None (it matches, or it was never sealed: Orbax's checks decide)."""
+        root = self.step_dir(step)
+        try:
+            files = json.loads((root / MANIFEST).read_text())["files"]
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError) as err:
+            return f"its manifest is unreadable ({err})"
+        for name, size in files.items():
+            path = root / name
+            if not path.exists():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} is {path.stat().st_size} bytes, {size} when it was saved"
+        return None
+
+    def restore_newest_good(self, target: Any) -> tuple[Any | None, int | None, list]:
+        """(state, its step, [(skipped step, reason), ...]): the newest checkpoint that
+        matches its manifest and restores. Each one skipped is moved to
+        `checkpoints_bad/<step>` beside the checkpoints, with its reason in `reason.txt`.
+        (None, None, skipped) when no checkpoint is good."""
+        skipped = []
+        for step in reversed(self.all_steps()):
+            reason = self.verify(step)
+            if reason is None:
+                try:
+                    return self.restore(target, step)[0], step, skipped
+                except Exception as err:  # noqa: BLE001 - Orbax's many kinds of "damaged"
+                    reason = f"Orbax could not restore it: {type(err).__name__}: " + (
+                        str(err).strip().splitlines() or [""])[0][:300]
+            skipped.append((step, reason))
+            self._quarantine(step, reason)
+        return None, None, skipped
+
+    def _quarantine(self, step: int, reason: str) -> None:
+        """Moves a damaged checkpoint out of the manager's sight, with why."""
+        bad = self.directory.parent / "checkpoints_bad" / str(step)
+        if bad.exists():
+            shutil.rmtree(bad)
+        bad.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.step_dir(step), bad)
+        (bad / "reason.txt").write_text(reason + "\n")
+        self._manager.close()
+        self._open()   # rescan: the manager lists steps from the directory
 
     def close(self) -> None:
         self._manager.wait_until_finished()

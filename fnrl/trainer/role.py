@@ -193,7 +193,14 @@ class Trainer:
             return
         latest = self.checkpoints.latest_step()
         if latest is not None and latest > self.version:
-            self.state, _ = self.checkpoints.restore(self.state)
+            # The newest checkpoint storage has not damaged; any skipped is named, moved
+            # aside, and rolled past with the logged batches (fnrl.trainer.checkpoint).
+            state, step, skipped = self.checkpoints.restore_newest_good(self.state)
+            for bad, why in skipped:
+                print(f"trainer: checkpoint {bad} skipped: {why} (moved to "
+                      f"{self.run_dir / 'checkpoints_bad' / str(bad)})", flush=True)
+            if state is not None and step > self.version:
+                self.state = state
         if replay:
             for version in self.batches.versions():
                 if version != self.version:
@@ -277,7 +284,8 @@ class Trainer:
         self.checkpoints.save(version, self.state)
         self.checkpoints.wait()
         if self.writer:
-            self.batches.prune(below=version + 1)
+            self.checkpoints.seal(version)
+            self.batches.prune(below=min(self.checkpoints.all_steps()))
         return source
 
     def hf_weights(self) -> dict[str, np.ndarray] | None:
@@ -334,7 +342,10 @@ class Trainer:
         if saving:
             self.checkpoints.wait()
             if self.writer:
-                self.batches.prune(below=self.version)
+                self.checkpoints.seal(self.version)
+                # Batches from the oldest kept checkpoint on: a resume that must skip a
+                # damaged newer one still rolls forward to this version.
+                self.batches.prune(below=min(self.checkpoints.all_steps()))
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         return metrics, weights
 
