@@ -160,6 +160,46 @@ def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_
     return RoleMemory(role=name, items=items, peak_bytes=sum(b for _, b in items))
 
 
+BATCH_ARRAYS = 8
+"""Per-token arrays a logged batch holds (ids, targets, positions, segments, mask,
+behaviour log-probs, advantages and spares), 4 bytes each: an upper bound."""
+TOKEN_LOG_BYTES = 48
+"""Bytes a generated token takes across the run's JSON logs (trajectories.jsonl keeps
+its id and its log-prob as decimal text; the partial response pool holds it in flight)."""
+LOG_SLACK_BYTES = 2**28
+"""Metrics, journal, TensorBoard, role logs: 256 MiB."""
+
+
+def plan_disk(model: DecoderConfig, cfg: RunConfig, *, context_len: int) -> tuple[tuple[str, int], ...]:
+    """(what, bytes) the run directory will need at most: `trainer.checkpoint_keep`
+    checkpoints and the one being written, the batches logged since the oldest kept one,
+    and the logs of every generated token."""
+    rows, length = trainer_batch_shape(cfg, context_len)
+    tm = trainer_memory(model, cfg.trainer, cfg.algo, rows=rows, length=length,
+                        serve_dtype=cfg.rollout.dtype)
+    state = dict(tm.save)["checkpoint copy of the state"]
+    keep, every = cfg.trainer.checkpoint_keep, cfg.trainer.checkpoint_every
+    batch = rows * length * BATCH_ARRAYS * 4
+    tokens = cfg.steps * cfg.batch_size * cfg.algo.max_new_tokens
+    return ((f"{keep} checkpoints + 1 being written", (keep + 1) * state),
+            (f"batch log ({keep * every} batches of {rows} x {length})", keep * every * batch),
+            (f"token logs ({cfg.steps} steps x {cfg.batch_size} x {cfg.algo.max_new_tokens})",
+             tokens * TOKEN_LOG_BYTES),
+            ("metrics, journal, role logs", LOG_SLACK_BYTES))
+
+
+def check_disk(items: tuple[tuple[str, int], ...], free_bytes: int, where) -> None:
+    """Raises ValueError naming every figure when `free_bytes` cannot hold `items`."""
+    need = sum(b for _, b in items)
+    if need <= free_bytes:
+        return
+    each = ", ".join(f"{what} {b / GIB:.2f}" for what, b in items)
+    raise ValueError(
+        f"the run needs up to {need / GIB:.2f} GiB of disk in {where} but {free_bytes / GIB:.2f} "
+        f"GiB is free ({each} GiB). To fit: fewer kept checkpoints (--trainer.checkpoint-keep),"
+        f" fewer steps, or a run directory on a bigger disk (--run-dir)")
+
+
 def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
     """Raises ValueError naming every figure if the plan needs more than
     `available_bytes` (MemAvailable now, before any role starts)."""

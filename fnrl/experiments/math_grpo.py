@@ -44,8 +44,8 @@ from fnrl.control.book import TaskIO
 from fnrl.control.handles import Roles
 from fnrl.control.local import HttpEvalServer, HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
-from fnrl.control.memory import (check_gpu_split, check_plan, jax_on_gpu, plan_local_gpu,
-                                 plan_memory, read_gpus)
+from fnrl.control.memory import (check_disk, check_gpu_split, check_plan, jax_on_gpu,
+                                 plan_disk, plan_local_gpu, plan_memory, read_gpus)
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control import journal
 from fnrl.control.report import across_attempts, learned_nothing
@@ -203,6 +203,10 @@ def check_memory_plan(cfg: RunConfig, model_dir: Path, run_dir: Path) -> None:
     print(table, flush=True)
     if cfg.cluster.backend == "local":   # on Ray: per machine, once the roles are placed
         check_plan(plan, host.available_bytes)
+    # The run directory's disk: checkpoints, batch log and token logs (a full disk
+    # mid-run costs checkpoints; better said before anything starts).
+    check_disk(plan_disk(read_config(model_dir), cfg, context_len=context_len(cfg, model_dir)),
+               shutil.disk_usage(run_dir).free, run_dir)
 
 
 def gpu_plan(cfg: RunConfig, model_dir: Path, run_dir: Path):

@@ -29,6 +29,7 @@ the version the trainer had.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -44,6 +45,20 @@ import orbax.checkpoint as ocp
 _SCAN_ATTEMPTS = 5
 MANIFEST = "fnrl_manifest.json"
 """In a sealed checkpoint's directory: {"files": {relative path: size in bytes}}."""
+
+
+def no_space(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from, is a full disk (ENOSPC; Orbax
+    wraps the OSError of its writer threads)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 class Checkpointer:
@@ -97,6 +112,20 @@ class Checkpointer:
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
+
+    def discard_unfinished(self) -> list[str]:
+        """Removes the temporary directories of saves that did not finish (a full disk
+        fails a save half way) and rescans; returns their names."""
+        names = [p.name for p in self.directory.iterdir() if p.is_dir() and not p.name.isdigit()
+                 and "tmp" in p.name]
+        for name in names:
+            shutil.rmtree(self.directory / name, ignore_errors=True)
+        try:
+            self._manager.close()
+        except Exception:  # noqa: BLE001 - a manager whose save failed may fail to close
+            pass
+        self._open()
+        return names
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)

@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import time
 import traceback
 from pathlib import Path
@@ -48,7 +49,7 @@ from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, 
 from fnrl.shell import wire
 from fnrl.shell.files import write_atomic
 from fnrl.trainer import distributed
-from fnrl.trainer.checkpoint import BatchLog, Checkpointer
+from fnrl.trainer.checkpoint import BatchLog, Checkpointer, no_space
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
@@ -333,21 +334,51 @@ class Trainer:
             return metrics, None
         t1 = time.perf_counter()
         saving = self.version % self.cfg.trainer.checkpoint_every == 0
+        lost = None   # a save the disk had no room for
         if saving:
-            self.checkpoints.save(self.version, self.state)
+            lost = _unless_no_space(lambda: self.checkpoints.save(self.version, self.state))
         t2 = time.perf_counter()
         weights = self.hf_weights()
         # The weights' share of the stall: cast, gather (a group) and HF layout.
         metrics["time/weights_s"] = time.perf_counter() - t2
-        if saving:
-            self.checkpoints.wait()
-            if self.writer:
-                self.checkpoints.seal(self.version)
-                # Batches from the oldest kept checkpoint on: a resume that must skip a
-                # damaged newer one still rolls forward to this version.
-                self.batches.prune(below=min(self.checkpoints.all_steps()))
+        if saving and lost is None:
+            lost = _unless_no_space(self.checkpoints.wait)
+        if saving and lost is None and self.writer:
+            lost = _unless_no_space(lambda: self.checkpoints.seal(self.version))
+        if lost is not None:
+            metrics.update(self._checkpoint_lost(lost))
+        elif saving and self.writer:
+            # Batches from the oldest kept checkpoint on: a resume that must skip a
+            # damaged newer one still rolls forward to this version.
+            self.batches.prune(below=min(self.checkpoints.all_steps()))
         metrics["time/checkpoint_s"] = time.perf_counter() - t1
         return metrics, weights
+
+    def _checkpoint_lost(self, err: BaseException) -> dict[str, float]:
+        """A save the disk had no room for: its temporary files removed, said with the
+        free bytes, and the run goes on without it. Nothing is lost: the batches since
+        the last checkpoint stay logged, so a restart replays them (the cost named)."""
+        removed = self.checkpoints.discard_unfinished()
+        free = shutil.disk_usage(self.checkpoints.directory).free
+        last = self.checkpoints.latest_step() or 0
+        print(f"trainer: checkpoint {self.version} not saved, no space left on the device "
+              f"of {self.checkpoints.directory} ({free / 2**20:.1f} MiB free; {err}); "
+              f"removed {removed or 'nothing'}; going on: a restart now replays the "
+              f"{self.version - last} batch(es) logged since checkpoint {last}", flush=True)
+        return {"checkpoint/no_space": 1.0, "checkpoint/free_bytes": float(free),
+                "checkpoint/versions_since_saved": float(self.version - last)}
+
+
+def _unless_no_space(action) -> BaseException | None:
+    """Runs `action`; a full disk (fnrl.trainer.checkpoint.no_space) is returned, not
+    raised: the caller goes on without that checkpoint."""
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - only a full disk is caught here
+        if not no_space(err):
+            raise
+        return err
+    return None
 
 
 def corrupt_weights(weights: dict[str, np.ndarray], noise: float, *, seed: int

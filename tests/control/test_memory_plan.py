@@ -107,3 +107,19 @@ def test_with_lora_relays_hold_adapters_and_servers_the_base_they_merge_into():
     version = 2 * 160   # bfloat16 adapters (tests/trainer/test_trainer_memory.py)
     assert roles["relay1"].peak_bytes == 3 * version + RELAY_PROCESS_BYTES
     assert dict(roles["server0"].items)["LoRA base of the adapted projections"] == 2 * 384
+
+
+def test_the_disk_plan_counts_checkpoints_batches_and_logs_and_refuses_by_name():
+    from fnrl.control.memory import check_disk, plan_disk
+
+    cfg = dataclasses.replace(_cfg(), steps=10)
+    items = dict(plan_disk(TINY, cfg, context_len=8))
+    state = 3 * 4 * N   # params and Adam's two moments, float32
+    assert items["2 checkpoints + 1 being written"] == 3 * state
+    rows = cfg.batch_size
+    assert items[f"batch log (2 batches of {rows} x 8)"] == 2 * rows * 8 * 8 * 4
+    check_disk(tuple(items.items()), 2**40, "/runs/a")
+    with pytest.raises(ValueError) as err:
+        check_disk(tuple(items.items()), 2**20, "/runs/a")
+    assert "/runs/a" in str(err.value) and "--trainer.checkpoint-keep" in str(err.value)
+    assert "0.00 GiB is free" in str(err.value)

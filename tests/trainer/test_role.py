@@ -149,3 +149,45 @@ def test_the_optimizer_state_is_born_sharded_like_the_params(tmp_path, tiny_mode
         assert t.train(toy_batch())[1] is not None
     finally:
         t.checkpoints.close()
+
+
+def test_a_save_the_disk_has_no_room_for_is_said_and_the_run_goes_on(trainer, tmp_path,
+                                                                     tiny_model_dir, monkeypatch):
+    """A full disk fails the save half way (Orbax re-raises its writer's ENOSPC, wrapped):
+    the temporary directory goes, the step is published, the metrics say so, and the
+    batch stays logged so a restart replays it: nothing lost, no restart loop."""
+    import errno
+
+    trainer.train(toy_batch())
+    ckpt = tmp_path / "checkpoints"
+
+    def save(self, step, state, extra=None):
+        (ckpt / f"{step}.orbax-checkpoint-tmp-7").mkdir()
+        (ckpt / f"{step}.orbax-checkpoint-tmp-7" / "half").write_bytes(b"\0" * 100)
+
+    def wait(self):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as err:
+            raise RuntimeError("async save failed") from err
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    monkeypatch.setattr(Checkpointer, "wait", wait)
+    metrics, weights = trainer.train(toy_batch())
+    monkeypatch.undo()
+    assert weights is not None and trainer.version == 2
+    assert metrics["checkpoint/no_space"] == 1.0 and metrics["checkpoint/versions_since_saved"] == 1
+    assert sorted(os.listdir(ckpt)) == ["1"]                     # nothing left half written
+    assert trainer.batches.versions() == [1]                    # the batch to replay
+    after_two = _host(trainer.state)
+    resumed = Trainer(RunConfig(run_dir=str(tmp_path)), tiny_model_dir, tmp_path)
+    try:
+        resumed.restore_latest()
+        assert resumed.version == 2 and _host(resumed.state) == after_two
+    finally:
+        resumed.checkpoints.close()
+    # Any other failure of a save is still an error (fnrl.trainer.checkpoint.no_space).
+    monkeypatch.setattr(Checkpointer, "wait", lambda self: (_ for _ in ()).throw(
+        RuntimeError("permission denied")))
+    with pytest.raises(RuntimeError, match="permission denied"):
+        trainer.train(toy_batch())
