@@ -179,11 +179,14 @@ class Checkpointer:
     def _quarantine(self, step: int, reason: str) -> None:
         """Moves a damaged checkpoint out of the manager's sight, with why."""
         bad = self.directory.parent / "checkpoints_bad" / str(step)
-        if bad.exists():
-            shutil.rmtree(bad)
         bad.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.step_dir(step), bad)
-        (bad / "reason.txt").write_text(reason + "\n")
+        try:
+            if bad.exists():
+                shutil.rmtree(bad)
+            os.replace(self.step_dir(step), bad)
+            (bad / "reason.txt").write_text(reason + "\n")
+        except FileNotFoundError:
+            pass   # another process of a trainer group moved it first
         self._manager.close()
         self._open()   # rescan: the manager lists steps from the directory
 
