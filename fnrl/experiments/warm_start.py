@@ -12,6 +12,7 @@ costs the same whatever the mix of short and long demonstrations.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -33,6 +34,7 @@ from fnrl.data.tool_arith import DEMO_MODES, ToolPromptStream, tool_eval_problem
 from fnrl.data.tool_arith import demonstration as tool_demonstration
 from fnrl.models.decoder import DecoderConfig, forward, init_model
 from fnrl.models.hf_io import save_pretrained
+from fnrl.shell.files import write_atomic
 from fnrl.trainer.step import TrainState, init_state, token_logprobs
 
 _RECIPE_VERSION = 3  # bump when the recipe below changes what gets built
@@ -234,14 +236,27 @@ def build_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartCon
             "heldout_greedy_right_but_slip": float(answered.mean()),
             "demonstrations": examples, "too_long_skipped": skipped, "seconds": time.perf_counter() - t0,
             "params": int(sum(x.size for x in jax.tree.leaves(state.params)))}
-    (out_dir / "warm_start.json").write_text(json.dumps(info, indent=2))
+    write_atomic(out_dir / "warm_start.json", json.dumps(info, indent=2))
     return info
 
 
 def ensure_default_model(model: ModelConfig, task: TaskConfig, warm: WarmStartConfig) -> Path:
     """The cached warm-started model directory, building it if it is missing."""
     out = default_model_dir(model, task, warm)
-    if not (out / "warm_start.json").exists():
+    if (out / "warm_start.json").exists():
+        return out
+    # One builder per model: two jobs started together on an empty cache would otherwise
+    # both build it, one replacing the directory the other is reading. The second waits
+    # on the lock and then finds it built (warm_start.json is written last, atomically).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"warm start: another job is building {out}; waiting for it", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "warm_start.json").exists():
+            return out
         info = build_default_model(model, task, warm, out)
         print(f"warm start: {info['params']:,} parameters, held-out greedy accuracy "
               f"{100 * info['heldout_greedy_accuracy']:.1f}% ({100 * info['heldout_greedy_right_but_slip']:.1f}% "

@@ -174,3 +174,39 @@ def test_the_tool_warm_start_builds_a_model_that_loads(tmp_path):
     assert 0.0 <= info["heldout_greedy_accuracy"] <= 1.0
     cfg, _, params = load_pretrained(out)
     assert cfg.max_position_embeddings == 64 and params
+
+
+def test_a_second_job_waits_for_the_first_to_build_the_cached_model(tmp_path, monkeypatch,
+                                                                     capsys):
+    """Two jobs on an empty cache: the one that finds the builder's lock taken waits,
+    then uses what the builder made, and never builds (or replaces) it itself."""
+    import fcntl
+    import threading
+    import time
+
+    from fnrl.config import TaskConfig, WarmStartConfig
+    from fnrl.experiments import warm_start
+
+    warm = WarmStartConfig(cache_dir=str(tmp_path))
+    out = warm_start.default_model_dir(ModelConfig(), TaskConfig(), warm)
+    built = []
+    monkeypatch.setattr(warm_start, "build_default_model", lambda *a: built.append(a))
+    lock = open(tmp_path / f".{out.name}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)            # the first job, building
+    result = []
+    second = threading.Thread(target=lambda: result.append(
+        warm_start.ensure_default_model(ModelConfig(), TaskConfig(), warm)))
+    second.start()
+    said = ""
+    for _ in range(3000):                       # until it says it waits (a condition)
+        said += capsys.readouterr().out
+        if "another job is building" in said:
+            break
+        time.sleep(0.01)
+    assert "another job is building" in said and second.is_alive() and not result
+    out.mkdir(parents=True)
+    (out / "warm_start.json").write_text("{}")  # the first job finishes...
+    fcntl.flock(lock, fcntl.LOCK_UN)            # ...and lets go
+    lock.close()
+    second.join(timeout=30)
+    assert result == [out] and built == []
