@@ -56,6 +56,7 @@ import zmq
 import zmq.asyncio
 
 from fnrl.config import RelayConfig
+from fnrl.config.cluster import is_loopback
 from fnrl.relay import store
 from fnrl.relay.data_plane import DataPlane
 from fnrl.relay.store import Held
@@ -562,10 +563,22 @@ def serve(args: RelayArgs) -> None:
     os._exit(code)
 
 
+def ucx_environment(address: str, environ=os.environ) -> None:
+    """UCX's settings for a relay at ZeroMQ `address`, set before UCX starts. A relay
+    on loopback (every relay of a one-machine job) keeps UCX on loopback too: its TCP
+    transport would otherwise listen on every interface of the host. A relay that
+    other machines reach is left to UCX's defaults (or the user's UCX_NET_DEVICES)."""
+    environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if is_loopback(host):
+        environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    serve(tyro.cli(RelayArgs))
+    args = tyro.cli(RelayArgs)
+    ucx_environment(args.address)
+    serve(args)
 
 
 if __name__ == "__main__":

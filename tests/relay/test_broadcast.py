@@ -81,6 +81,12 @@ def test_chain_round_trip_is_bit_exact(tier_factory):
         for name, a in expected.items():
             assert views[name].dtype == a.dtype and views[name].shape == a.shape
             assert views[name].tobytes() == np.ascontiguousarray(a).tobytes(), name
+    # Relays on loopback keep UCX there too: no relay listens on another address.
+    import psutil
+    for member in tier.members.values():
+        listening = [c.laddr.ip for c in psutil.Process(member.proc.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and all(ip in ("127.0.0.1", "::1") for ip in listening), listening
 
 
 def test_readers_see_only_complete_versions_during_broadcasts(tier_factory):
