@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from real_model import GIB, RoleSampler, planned_peaks  # noqa: E402
+from real_model import GIB, planned_peaks, run_sampled  # noqa: E402
 
 from fnrl.config import AlgoConfig  # noqa: E402
 
@@ -48,13 +47,9 @@ PULL_LINE = re.compile(r"fnrl_pull: version (\d+) from relay \S+ in ([0-9.]+) ms
 
 def run_arm(name: str, argv: list[str], run_dir: Path) -> dict:
     """One main-job run; its figures from the run directory and the sampler."""
-    run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with RoleSampler(run_dir) as sampler:
-        proc = subprocess.Popen([sys.executable, "-m", "fnrl.experiments.math_grpo", *argv,
-                                 "--run-dir", str(run_dir)], cwd=ROOT)
-        sampler.controller_pid = proc.pid
-        code = proc.wait()
+    code, sampler = run_sampled([sys.executable, "-m", "fnrl.experiments.math_grpo", *argv,
+                                 "--run-dir", str(run_dir)], run_dir)
     if code != 0:
         raise SystemExit(f"{name}: the main job exited with {code} (run dir {run_dir})")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

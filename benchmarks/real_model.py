@@ -109,6 +109,17 @@ class RoleSampler:
             self.shm_peak = max(self.shm_peak, shm)
 
 
+def run_sampled(argv: list[str], run_dir: Path) -> tuple[int, RoleSampler]:
+    """Runs the main job (`argv`) with every role's and the controller's memory sampled;
+    (exit code, the sampler with its peaks)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with RoleSampler(run_dir) as sampler:
+        proc = subprocess.Popen(argv, cwd=ROOT)
+        sampler.controller_pid = proc.pid
+        code = proc.wait()
+    return code, sampler
+
+
 def planned_peaks(plan_file: Path) -> dict[str, float]:
     """Each role's planned peak in GiB, read from the run's memory_plan.txt."""
     planned = {}
@@ -160,12 +171,8 @@ def main() -> int:
                 # model's 32,768 positions, which would size every buffer for them.
                 "--model.max-seq-len", str(args.max_new_tokens + 128), *args.extra]
         print("$ " + " ".join(argv[1:]), flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        with RoleSampler(run_dir) as sampler:
-            proc = subprocess.Popen(argv, cwd=ROOT)
-            sampler.controller_pid = proc.pid
-            code = proc.wait()
+        code, sampler = run_sampled(argv, run_dir)
         wall = time.perf_counter() - t0
         print(f"\nmain job exited with {code} after {wall:.0f}s")
         planned = planned_peaks(run_dir / "memory_plan.txt")

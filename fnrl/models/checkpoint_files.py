@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+
+from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,3 +61,35 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
+
+
+class LazyTensors(Mapping):
+    """A checkpoint's tensors by name, each read from its file when looked up (numpy
+    arrays, or torch tensors with framework="pt")."""
+
+    def __init__(self, files_by_name: Mapping[str, Path], framework: str = "numpy"):
+        self._files, self._framework = dict(files_by_name), framework
+
+    def __getitem__(self, name: str):
+        if name not in self._files:
+            raise KeyError(f"the checkpoint has no tensor {name!r}")
+        with safe_open(self._files[name], framework=self._framework) as f:
+            return f.get_tensor(name)
+
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
+        return name in self._files
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self):
+        return len(self._files)
+
+
+def lazy_tensors(model_dir: str | os.PathLike, framework: str = "numpy") -> LazyTensors:
+    """Every tensor of `model_dir`'s safetensors files (`weight_files`), read lazily."""
+    files_by_name = {}
+    for path in weight_files(model_dir):
+        with safe_open(path, framework=framework) as f:
+            files_by_name.update((name, path) for name in f.keys())
+    return LazyTensors(files_by_name, framework)

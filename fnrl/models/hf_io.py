@@ -24,9 +24,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
-from fnrl.models.checkpoint_files import INDEX_FILE, SINGLE_FILE, weight_files
+from fnrl.models.checkpoint_files import INDEX_FILE, SINGLE_FILE, lazy_tensors, weight_files
 from fnrl.models.decoder import DecoderConfig, abstract_model, init_model
 from fnrl.models.lora import init_adapters, join
 from fnrl.shell.files import read_json_if_present
@@ -147,34 +146,6 @@ def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
     return params
 
 
-class _LazyTensors(Mapping):
-    """Tensors of safetensors files, each read from its file when looked up."""
-
-    def __init__(self, files_by_name: Mapping[str, Path]):
-        self._files = dict(files_by_name)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        with safe_open(self._files[name], framework="numpy") as f:
-            return f.get_tensor(name)
-
-    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
-        return name in self._files
-
-    def __iter__(self):
-        return iter(self._files)
-
-    def __len__(self):
-        return len(self._files)
-
-
-def _lazy_tensors(model_dir: Path) -> _LazyTensors:
-    files_by_name = {}
-    for path in weight_files(model_dir):
-        with safe_open(path, framework="numpy") as f:
-            files_by_name.update((name, path) for name in f.keys())
-    return _LazyTensors(files_by_name)
-
-
 def read_config(model_dir: str | os.PathLike) -> DecoderConfig:
     """The DecoderConfig of a checkpoint's `config.json` (ValueError on what fnrl lacks)."""
     config_path = Path(model_dir) / "config.json"
@@ -198,7 +169,7 @@ def load_pretrained(model_dir: str | os.PathLike, *, dtype=jnp.float32,
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     graphdef, _ = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **kernels)
-    params = hf_to_params(cfg, _lazy_tensors(model_dir), dtype=param_dtype)
+    params = hf_to_params(cfg, lazy_tensors(model_dir), dtype=param_dtype)
     lora = kernels.get("lora")
     if lora is not None and lora.enabled:
         adapters = init_adapters(cfg, lora, adapter_seed,
@@ -222,7 +193,7 @@ def check_model_dir(model_dir: str | os.PathLike) -> None:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     cfg = read_config(model_dir)
-    tensors = _lazy_tensors(model_dir)  # FileNotFoundError names the missing weights
+    tensors = lazy_tensors(model_dir)  # FileNotFoundError names the missing weights
     missing = [name for name, *_ in _table(cfg) if name not in tensors]
     if missing:
         raise ValueError(f"{model_dir}: weights lack {len(missing)} tensor(s) config.json "

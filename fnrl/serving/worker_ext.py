@@ -16,9 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-from safetensors import safe_open
-
-from fnrl.models.checkpoint_files import SCALING_TENSOR, adapted_modules, peft_names, weight_files
+from fnrl.models.checkpoint_files import SCALING_TENSOR, adapted_modules, lazy_tensors, peft_names
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import VersionManifest, open_version
 from fnrl.shell.procs import die_with_parent
@@ -92,18 +90,12 @@ class BaseWeights:
     What this costs: the adapted projections twice in the worker's host memory."""
 
     def __init__(self, model_dir: str):
-        self._file_of = {}
-        for path in weight_files(model_dir):
-            with safe_open(path, framework="pt") as f:
-                self._file_of.update((name, path) for name in f.keys())
+        self._files = lazy_tensors(model_dir, framework="pt")
         self._kept: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._kept:
-            if name not in self._file_of:
-                raise KeyError(f"the base checkpoint has no tensor {name!r} to merge into")
-            with safe_open(self._file_of[name], framework="pt") as f:
-                self._kept[name] = f.get_tensor(name)
+            self._kept[name] = self._files[name]
         return self._kept[name]
 
 

@@ -120,12 +120,16 @@ class Checkpointer:
                  and "tmp" in p.name]
         for name in names:
             shutil.rmtree(self.directory / name, ignore_errors=True)
+        self._rescan()
+        return names
+
+    def _rescan(self) -> None:
+        """A new manager over the directory as it is now (it lists steps when made)."""
         try:
             self._manager.close()
         except Exception:  # noqa: BLE001 - a manager whose save failed may fail to close
             pass
         self._open()
-        return names
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
@@ -187,8 +191,7 @@ class Checkpointer:
             (bad / "reason.txt").write_text(reason + "\n")
         except FileNotFoundError:
             pass   # another process of a trainer group moved it first
-        self._manager.close()
-        self._open()   # rescan: the manager lists steps from the directory
+        self._rescan()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
