@@ -122,7 +122,8 @@ def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: st
     # that is timed. An automatic remat is fitted to the device's limit by that plan, as
     # the trainer role does (fnrl.trainer.fit).
     t0 = time.perf_counter()
-    args = (jax.eval_shape(lambda: init_state(model(tc)[1], optimizer)), batch, None)
+    # (state, batch, ref_params, controls, frozen): no reference model, controls or LoRA base.
+    args = (jax.eval_shape(lambda: init_state(model(tc)[1], optimizer)), batch, None, None, None)
     if remat == "auto" and limit:
         tc, why, _, compiled = fit_remat(tc, why, build=build, args=args, limit=limit)
     else:
@@ -137,7 +138,7 @@ def run_fnrl(p: dict, steps: int, warmup: int, paced: bool = False, *, remat: st
     del state
 
     def one():
-        box["state"], box["metrics"] = compiled(box["state"], batch, None, None)
+        box["state"], box["metrics"] = compiled(box["state"], batch, *args[2:])
         jax.block_until_ready(box["metrics"])
 
     times, cpu, first = _time_steps(one, steps, warmup, paced)
