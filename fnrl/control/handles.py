@@ -23,11 +23,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from fnrl.serving.client import Completion, ServerError, StreamChunk
-from fnrl.shell.wire import RoleError
+from fnrl.shell.wire import NodeLost, RoleError
 
 __all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "EvalServerHandle",
            "RelayTierHandle",
-           "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
+           "NodeLost", "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
 
 
 @runtime_checkable
@@ -185,7 +185,8 @@ class RelayTierHandle(Protocol):
     async def replace(self, name: str) -> Mapping[str, object]:
         """Starts a new relay in the place of `name`, which exited, and returns once it
         serves (what to record: its address, the version it started from). Raises
-        RoleError or RuntimeError when it cannot (its node is lost, it did not start)."""
+        NodeLost when its node is gone (no later try can succeed), RoleError or
+        RuntimeError when it did not start."""
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None: ...
 

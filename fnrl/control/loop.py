@@ -335,7 +335,7 @@ class Controller:
                 "trained_tokens_per_s": b.trained_tokens / train_wall, "version": b.trainer_version, "last_eval": b.last_eval,
                 **report.ettr(self.supervisor.outages, self.generation.rollouts,
                               num_relays=len(self.roles.relays.names), wall_s=wall),
-                "failures": len(self.supervisor.outages), "loop_wall_s": wall,
+                "failures": self.supervisor.failures, "loop_wall_s": wall,
                 "invalid_trajectories": b.invalid_trajectories,
                 "trained_tokens": b.trained_tokens, "generated_tokens": b.generated_tokens,
                 "staleness_checked_tokens": b.checked_tokens,

@@ -4,34 +4,58 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fnrl.shell.records import read_skipping
+
 
 class MetricsWriter:
-    """Appends one JSON line per record and mirrors scalars to TensorBoard."""
+    """Appends one JSON line per record and mirrors scalars to TensorBoard.
+
+    TensorBoard events are written in the caller's thread (tensorboardX's EventsWriter,
+    flushed per record) rather than by SummaryWriter's background thread: that thread
+    dies silently on a full disk, and the next writes then block or fail far from the
+    cause. Here a full disk raises OSError at the write that met it."""
 
     def __init__(self, run_dir: Path):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
         self.run_dir = run_dir
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        (run_dir / "tensorboard").mkdir(exist_ok=True)
+        self._tb = EventsWriter(str(run_dir / "tensorboard" / "events"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        from tensorboardX import summary
+        from tensorboardX.proto.event_pb2 import Event
+
         record = {"kind": kind, "step": step, **values}
         self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
+        now = time.time()
         for key, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self._tb.add_scalar(f"{kind}/{key}", value, step)
+                point = summary.scalar(f"{kind}/{key}", value)
             elif key == "staleness_hist" and isinstance(value, list) and value:
-                self._tb.add_histogram(f"{kind}/staleness", np.repeat(np.arange(len(value)), value), step)
+                # One bin per staleness value (they are whole versions).
+                point = summary.histogram(f"{kind}/staleness",
+                                          np.repeat(np.arange(len(value)), value),
+                                          np.arange(len(value) + 1) - 0.5)
+            else:
+                continue
+            self._tb.write_event(Event(wall_time=now, step=step, summary=point))
+        self._tb.flush()
 
     def close(self) -> None:
-        self._jsonl.close()
-        self._tb.close()
+        for closing in (self._jsonl.close, self._tb.close):
+            try:
+                closing()
+            except OSError:
+                pass   # a full disk: what was written is kept, the stop goes on
 
 
 def _jsonable(x: Any) -> Any:
@@ -54,17 +78,17 @@ def staleness_histogram(records) -> np.ndarray:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The complete records of a JSON-lines file (a torn last line is skipped); [] when
-    there is no such file."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    """The complete records of a JSON-lines log, framed (fnrl.shell.records) or plain;
+    [] when there is no such file. A torn last line is dropped; a damaged line in the
+    middle is skipped and said on stderr with its byte offset (these are report logs:
+    what resumes depend on is read strictly, by fnrl.control.journal)."""
+    records, damaged = read_skipping(path)
+    if damaged:
+        at, why = damaged[0]
+        print(f"fnrl: {path}: {len(damaged)} damaged record(s) skipped (the first at byte "
+              f"{at}: {why}); the figures read from this file leave them out",
+              file=sys.stderr, flush=True)
+    return records
 
 
 def generated_length(trajectory: dict) -> int:

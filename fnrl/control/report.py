@@ -12,7 +12,6 @@ trajectories.jsonl), not from the last controller's memory.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 
 from fnrl.control.book import Book
 from fnrl.control.metrics import read_jsonl
+from fnrl.shell.records import frame
 
 # Counters every preset reports, so runs compare key for key.
 # migrated: trajectories moved between rollouts; migrations: Migrate commands, of which
@@ -64,7 +64,7 @@ def ettr(outages: Sequence, rollouts: Sequence, *, num_relays: int, wall_s: floa
     """RobustRL's effective training time ratio over one attempt: 1 − (role-seconds not
     doing useful work) / (role-seconds in all). Units are the trainer, every rollout and
     every relay. A role is not useful from its failure (or injected kill) until it is
-    back, and a rollout is not useful while it has nothing to do because the trainer is
+    back (a relay: until its replacement serves, or to the end if none does), and a rollout is not useful while it has nothing to do because the trainer is
     down. Gap: the paper weights slices by the share of useful roles without a formula
     (digest §5.1); counting relays as units and idle-by-outage rollouts as down is ours."""
     units = 1 + len(rollouts) + num_relays
@@ -100,7 +100,8 @@ def step_record(book: Book, rollouts: Sequence, trainer_metrics: dict, stats: di
 
 class Attempts:
     """attempts.jsonl: one start, progress records and (unless killed) one end per
-    attempt. A killed attempt's last progress record bounds when it stopped."""
+    attempt, framed (fnrl.shell.records). A killed attempt's last progress record bounds
+    when it stopped."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / "attempts.jsonl"
@@ -109,8 +110,8 @@ class Attempts:
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, event: str, epoch: float, **fields) -> None:
-        self._f.write(json.dumps({"attempt": self.attempt, "event": event, "epoch": epoch,
-                                  **fields}) + "\n")
+        self._f.write(frame({"attempt": self.attempt, "event": event, "epoch": epoch,
+                             **fields}))
 
     def close(self) -> None:
         self._f.close()

@@ -41,7 +41,7 @@ from fnrl.shell import auth, procs
 from fnrl.shell.files import log_tail, write_atomic
 from fnrl.shell.net import free_port, port_taken
 from fnrl.shell.procs import reap_leftovers
-from fnrl.shell.wire import RoleError
+from fnrl.shell.wire import NodeLost, RoleError
 
 
 class Stopped(KeyboardInterrupt):
@@ -237,8 +237,8 @@ class Cluster:
         if old.proc.poll() is None:
             raise RoleError(f"{name} still runs: nothing to replace")
         if not self.launcher.node_alive(name):
-            raise RoleError(f"{name}: its node {self.launcher.node_of(name)} is lost; "
-                            "no replacement")
+            raise NodeLost(f"{name}: its node {self.launcher.node_of(name)} is lost; "
+                           "no replacement")
         self.launcher.remove_segments(name, old.proc)   # what the dead one left behind
         return self.start_relay(name, self.relay_tier.cfg)
 

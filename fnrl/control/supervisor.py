@@ -28,7 +28,6 @@ report computes the effective training time ratio (fnrl.control.report.ettr).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from dataclasses import dataclass
@@ -37,11 +36,16 @@ from pathlib import Path
 import numpy as np
 
 from fnrl.control.book import Book, Services
-from fnrl.control.handles import RoleError, Roles, ServerError
+from fnrl.control.handles import NodeLost, RoleError, Roles, ServerError
 from fnrl.control.metrics import read_jsonl
 from fnrl.policy import faults as F
+from fnrl.shell.records import frame
 
 HEARTBEAT_S = 1.0
+# A relay's replacement is tried this many times, the waits between tries doubling from
+# RELAY_BACKOFF_S (a port or segment the dead one held may take a moment to be freed).
+RELAY_TRIES = 4
+RELAY_BACKOFF_S = 1.0
 
 
 class JobRestart(RuntimeError):
@@ -83,6 +87,8 @@ class Supervisor:
         self._rng = np.random.default_rng(cfg.seed)
         self._relay_events_seen = 0
         self._restarts: set[asyncio.Task] = set()
+        self._replacing: set[str] = set()   # relays whose replacement is under way
+        self.failures = 0   # this attempt's failure records: every fault, relays' included
         # Set by the loop: what to do with a failed or restarted rollout / trainer.
         self.generation = self.training = None
         path = run_dir / "faults.jsonl"
@@ -101,8 +107,9 @@ class Supervisor:
         self.svc.spawn(self._heartbeats())
 
     def record(self, event: str, **fields) -> None:
-        self._log.write(json.dumps({"t": self.svc.now(), "epoch": self.svc.clock.epoch(),
-                                    "event": event, **fields}) + "\n")
+        self._log.write(frame({"t": self.svc.now(), "epoch": self.svc.clock.epoch(),
+                               "event": event, **fields}))
+        self.failures += event == "failure"
         self.svc.event(f"fault:{event}", **fields)
 
     def close(self) -> None:
@@ -172,40 +179,53 @@ class Supervisor:
             for name, w in self.watches.items())
 
     def relay_repairs(self) -> None:
-        """Records the relay tier's chain repairs since the last look as relay outages."""
+        """Records the relay tier's chain repairs since the last look: each is a relay
+        failure, and the relay is down from its failure until a replacement serves (for
+        good when it cannot be replaced: a hung relay keeps its place on the node, a
+        lost node has none). The trainer is not charged for a master's repair: a
+        publish that waited on the election shows in its step's `time/publish_s`."""
         events = self.roles.relays.events()
         for e in events[self._relay_events_seen:]:
             start, ready = e.failed_at - self.svc.t0_epoch, e.repaired_at - self.svc.t0_epoch
-            self.outages.append(Outage(e.relay, start, ready, ready, reason=e.cause))
-            if e.was_master:
-                # The trainer cannot hand a version to the chain until a master is elected.
-                # Gap: whether it was publishing meanwhile is not observed; counting the
-                # whole repair errs on the side of a lower ETTR.
-                self.outages.append(Outage("trainer", start, ready, ready,
-                                           reason=f"master relay {e.relay} {e.cause}"))
+            if not self.down(e.relay):   # killed again before its replacement served
+                self.outages.append(Outage(e.relay, start, ready, reason=e.cause))
+            self.record("failure", role=e.relay, reason=f"relay {e.cause}",
+                        decision="SpliceRelay", step=self.book.trainer_version)
             self.record("chain_repaired", role=e.relay, cause=e.cause, repair_s=ready - start,
                         was_master=e.was_master, master=e.master)
-            if e.cause == "exited":
-                task = self.svc.spawn(self._replace_relay(e.relay, start, ready))
+            if e.cause == "exited" and e.relay not in self._replacing:
+                self._replacing.add(e.relay)
+                task = self.svc.spawn(self._replace_relay(e.relay))
                 self._restarts.add(task)
                 task.add_done_callback(self._restarts.discard)
         self._relay_events_seen = len(events)
 
-    async def _replace_relay(self, name: str, failed_s: float, repaired_s: float) -> None:
-        """One try at a replacement for relay `name`; a failure is recorded and the job
-        goes on with the spliced chain (the survivors serve its rollouts), so it never
-        escalates to a job restart."""
+    async def _replace_relay(self, name: str) -> None:
+        """Replaces relay `name`, retried with backoff (RELAY_TRIES tries); every failed
+        try is recorded. A relay never escalates to a job restart: while it is down the
+        spliced chain's survivors serve its rollouts, and its outage stays open."""
         try:
-            extra = await self.roles.relays.replace(name)
-        except (RoleError, RuntimeError, OSError) as err:
-            self.record("restart_failed", role=name, error=str(err)[:2000])
-            print(f"fnrl: relay {name} was not replaced: {err}", flush=True)
-            return
+            for attempt in range(RELAY_TRIES):
+                try:
+                    extra = await self.roles.relays.replace(name)
+                    break
+                except (RoleError, RuntimeError, OSError) as err:
+                    final = isinstance(err, NodeLost) or attempt == RELAY_TRIES - 1
+                    self.record("restart_failed", role=name, error=str(err)[:2000],
+                                attempt=attempt + 1, final=final)
+                    if final:
+                        print(f"fnrl: relay {name} was not replaced: {err}", flush=True)
+                        return
+                    await self.svc.clock.sleep(RELAY_BACKOFF_S * 2 ** attempt)
+        finally:
+            self._replacing.discard(name)
         now = self.svc.now()
-        self.record("recovered", role=name, down_s=now - failed_s,
-                    since_detected_s=now - repaired_s, **extra)
+        outage = next(o for o in reversed(self.outages) if o.role == name)
+        outage.ready_s = now
+        self.record("recovered", role=name, down_s=now - outage.start_s,
+                    since_detected_s=now - outage.detected_s, **extra)
         print(f"fnrl: relay {name} replaced at {extra.get('address')}, serving from "
-              f"version {extra.get('version')} ({now - failed_s:.1f} s after it died)",
+              f"version {extra.get('version')} ({now - outage.start_s:.1f} s after it died)",
               flush=True)
 
     # --- act ------------------------------------------------------------------------------

@@ -1,10 +1,13 @@
-"""Files the roles share: atomic replacement, the tail of a log for error messages, and
-optional JSON files (a checkpoint's generation_config.json)."""
+"""Files the roles share: atomic replacement, the tail of a log for error messages,
+optional JSON files (a checkpoint's generation_config.json), and a full disk told apart
+from every other failure (`no_space`, `DiskFull`, `SpaceReserve`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +57,55 @@ def read_json_if_present(path: str | os.PathLike) -> Any | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def no_space(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from, is a full disk (ENOSPC or a
+    quota; Orbax wraps the OSError of its writer threads)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(err, DiskFull) or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class DiskFull(Exception):
+    """The disk a run writes to is full: a fault with its own name and exit code, never a
+    role failure (restarting a role cannot make room). Not an OSError on purpose, so the
+    handlers that restart roles on OSError let it through."""
+
+    def __init__(self, where: str, path: str | os.PathLike, err: BaseException | str = ""):
+        self.where, self.path = where, Path(path)
+        try:
+            free = shutil.disk_usage(self.path if self.path.is_dir() else self.path.parent).free
+        except OSError:
+            free = -1
+        self.free_bytes = free
+        said = f"{free / 2**20:.1f} MiB free" if free >= 0 else "free space unknown"
+        super().__init__(f"no space left on the device of {self.path} while {where} "
+                         f"({said}{f'; {err}' if err else ''})")
+
+
+class SpaceReserve:
+    """A few MiB set aside in the run directory at start and given back when the disk
+    fills, so that the clean stop (the attempt's end record, summary.json, the closing
+    lines of every log) still has room to be written."""
+
+    NAME = ".fnrl_space_reserve"
+
+    def __init__(self, directory: str | os.PathLike, nbytes: int = 8 * 2**20):
+        self.path = Path(directory) / self.NAME
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:   # blocks really allocated (a sparse file would give nothing back)
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            pass   # no room even for this: the stop writes what it can
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ import json
 import zlib
 from pathlib import Path
 
-__all__ = ["DamagedRecord", "Read", "frame", "read"]
+__all__ = ["DamagedRecord", "Read", "frame", "read", "read_skipping"]
 
 
 class DamagedRecord(ValueError):
@@ -109,3 +109,25 @@ def read(path: Path) -> Read:
         raise DamagedRecord(path, bad[0], bad[1], bad[2], valid_after)
     good = bad[0] if bad is not None else offset
     return Read(records, offsets, good, offset - good)
+
+
+def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """For report logs, where a lost record costs a figure, not a group trained twice:
+    every valid record, and (byte offset, reason) of each damaged one in the middle,
+    skipped. A torn tail is dropped and not listed."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    records, bad = [], []
+    offset, last_good = 0, -1
+    with open(path, "rb") as f:
+        for line in f:
+            record, why = _parse(line)
+            if record is None:
+                bad.append((offset, why))
+            else:
+                records.append(record)
+                last_good = offset
+            offset += len(line)
+    # Bad lines after the last valid record are the torn tail a crash leaves.
+    return records, [(at, why) for at, why in bad if at < last_good]

@@ -17,12 +17,16 @@ import numpy as np
 import zmq
 
 from fnrl.shell import auth
-from fnrl.shell.files import log_tail
+from fnrl.shell.files import DiskFull, log_tail
 from fnrl.shell.procs import exit_reason
 
 
 class RoleError(RuntimeError):
     """A role process died or answered with an error; the message names the role."""
+
+
+class NodeLost(RoleError):
+    """A role cannot be started again where it ran: its node is gone."""
 
 
 def send(sock: zmq.Socket, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None,
@@ -65,6 +69,8 @@ def recv(sock: zmq.Socket, *, timeout_s: float, role: str, reply_to: str | None 
                 if reason is not None:
                     raise RoleError(f"{role} refused our message: {reason}") from None
                 raise RoleError(f"{role}'s reply refused: {err}") from None
+            if header.get("no_space"):   # a full disk: no restart makes room
+                raise DiskFull(f"{role} was writing", log_path or ".", header["no_space"])
             if header.get("error"):
                 raise RoleError(f"{role} failed:\n{header['error']}")
             return header, arrays

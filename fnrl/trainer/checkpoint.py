@@ -29,7 +29,6 @@ the version the trainer had.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -45,20 +44,6 @@ import orbax.checkpoint as ocp
 _SCAN_ATTEMPTS = 5
 MANIFEST = "fnrl_manifest.json"
 """In a sealed checkpoint's directory: {"files": {relative path: size in bytes}}."""
-
-
-def no_space(err: BaseException) -> bool:
-    """Whether `err`, or an exception it was raised from, is a full disk (ENOSPC; Orbax
-    wraps the OSError of its writer threads)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 class Checkpointer:
@@ -213,8 +198,12 @@ class BatchLog:
     def write(self, version: int, batch: dict[str, np.ndarray]) -> None:
         """Logs `batch` as the one training `version`; visible whole or not at all."""
         tmp = self.directory / f".{version}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.savez(f, **batch)
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, **batch)
+        except BaseException:
+            tmp.unlink(missing_ok=True)   # a full disk leaves no half-written batch behind
+            raise
         os.replace(tmp, self._path(version))
 
     def versions(self) -> list[int]:

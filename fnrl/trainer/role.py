@@ -47,9 +47,9 @@ from fnrl.relay.chain import detection_window_s
 from fnrl.relay.client import MasterPublisher
 from fnrl.sharding.mesh import batch_sharding, global_arrays, mesh_from_config, shardings_for
 from fnrl.shell import wire
-from fnrl.shell.files import write_atomic
+from fnrl.shell.files import no_space, write_atomic
 from fnrl.trainer import distributed
-from fnrl.trainer.checkpoint import BatchLog, Checkpointer, no_space
+from fnrl.trainer.checkpoint import BatchLog, Checkpointer
 from fnrl.trainer.controls import NO_ROLLBACK, split_controls
 from fnrl.trainer.fanout import CommandFanout, CommandFeed
 from fnrl.trainer.group import FANOUT_VAR
@@ -370,7 +370,7 @@ class Trainer:
 
 
 def _unless_no_space(action) -> BaseException | None:
-    """Runs `action`; a full disk (fnrl.trainer.checkpoint.no_space) is returned, not
+    """Runs `action`; a full disk (fnrl.shell.files.no_space) is returned, not
     raised: the caller goes on without that checkpoint."""
     try:
         action()
@@ -488,8 +488,11 @@ def serve(args: argparse.Namespace) -> None:
                 return
             else:
                 raise ValueError(f"unknown trainer command {cmd!r}")
-        except Exception:  # noqa: BLE001 - any failure goes back to the controller, named
-            server.reply({"error": traceback.format_exc()})
+        except Exception as err:  # noqa: BLE001 - any failure goes back to the controller, named
+            # A full disk (the batch log) is said as such: the controller stops cleanly
+            # rather than restarting a trainer that would fail the same way.
+            server.reply({"error": traceback.format_exc(),
+                          **({"no_space": str(err)} if no_space(err) else {})})
 
 
 def follow(cfg: RunConfig, args: argparse.Namespace, feed: CommandFeed) -> None:

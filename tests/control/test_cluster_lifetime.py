@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fnrl.control.metrics import read_jsonl
+
 from fnrl.config import RelayConfig
 from fnrl.control.roles import Cluster, read_roles
 from fnrl.relay import store
@@ -252,8 +254,7 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
     faults = job.run_dir / "faults.jsonl"
 
     def recovered() -> set[str]:
-        lines = faults.read_text().split("\n")[:-1] if faults.exists() else []  # whole lines
-        return {e["role"] for e in map(json.loads, lines) if e["event"] == "recovered"}
+        return {e["role"] for e in read_jsonl(faults) if e["event"] == "recovered"}
 
     # The relay is replaced too (it exited on a host that is still there).
     job.wait_for(lambda: recovered() >= {"rollout0", "relay1"})

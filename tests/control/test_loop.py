@@ -7,14 +7,15 @@ import asyncio
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
-from fnrl.control.handles import RelayEvent, Roles, ServerError
+from fnrl.control.handles import NodeLost, RelayEvent, RoleError, Roles, ServerError
 from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter, plot_run
 from fnrl.control.metrics import read_jsonl
 from fnrl.control.report import across_attempts
-from fnrl.control.supervisor import JobRestart
+from fnrl.control.supervisor import RELAY_BACKOFF_S, JobRestart
 from fnrl.experiments.presets import apply_preset
 from fnrl.control.journal import records as journal_records
 
@@ -139,7 +140,7 @@ def test_a_trainer_dead_after_its_checkpoint_is_not_trained_twice(tmp_path):
     check_consumed(tmp_path, cfg.coord.eta, STEPS * GROUPS)
 
 
-def test_a_relay_splice_is_recorded_and_lowers_ettr(tmp_path):
+def test_a_hung_relay_spliced_out_is_down_until_the_end_and_counted_a_failure(tmp_path):
     cfg = make_cfg("fnrl")
     clock = VirtualClock()
     relays = FakeRelays(names=("relay0", "relay1"))
@@ -157,8 +158,16 @@ def test_a_relay_splice_is_recorded_and_lowers_ettr(tmp_path):
     (repair,) = [f for f in read_jsonl(tmp_path / "faults.jsonl") if f["event"] == "chain_repaired"]
     assert repair["role"] == "relay1" and repair["repair_s"] == pytest.approx(1.5)
     assert summary["ettr_units"] == 1 + 2 + 2
-    assert summary["role_down_s"] == pytest.approx(1.5, abs=1e-4)
+    # Never replaced (a hung relay keeps its place): down from its failure to the end,
+    # not just for the splice's 1.5 s.
+    failed_s = repair["t"] - repair["repair_s"]   # at the latest (the repair is seen late)
+    wall = summary["loop_wall_s"]
+    assert wall - failed_s - 1e-6 <= summary["role_down_s"] <= wall
+    assert summary["role_down_s"] > 1.5 + 1e-3
     assert summary["ettr"] < 1.0 and summary["steps"] == STEPS
+    (failure,) = [f for f in read_jsonl(tmp_path / "faults.jsonl") if f["event"] == "failure"]
+    assert failure["role"] == "relay1" and failure["decision"] == "SpliceRelay"
+    assert summary["failures"] == 1
 
 
 def test_an_exited_relay_is_replaced_and_its_recovery_recorded(tmp_path):
@@ -180,7 +189,57 @@ def test_an_exited_relay_is_replaced_and_its_recovery_recorded(tmp_path):
     (recovered,) = [f for f in faults if f["event"] == "recovered"]
     assert recovered["role"] == "relay1" and recovered["address"] == "relay1"
     assert recovered["down_s"] >= 1.5 and recovered["version"] >= 2
+    # Down until the replacement served (not until the splice), and nothing else was.
+    assert summary["role_down_s"] == pytest.approx(recovered["down_s"], abs=1e-6)
+    assert summary["relay_recovery_s_mean"] == pytest.approx(recovered["down_s"], abs=1e-6)
     assert summary["steps"] == STEPS
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_failed_relay_replacement_is_retried_with_backoff_and_counted(tmp_path, lost):
+    """A replacement that fails is tried again, waits doubling (RELAY_TRIES tries); a
+    node that is lost is not tried again. Either way the relay stays down, counted."""
+    cfg = make_cfg("fnrl")
+    clock = VirtualClock()
+    relays = FakeRelays(names=("relay0", "relay1"))
+    tries: list[float] = []
+    replace = relays.replace
+
+    async def flaky_replace(name):
+        tries.append(clock.now())
+        if lost:
+            raise NodeLost(f"{name}: its node is lost; no replacement")
+        if len(tries) < 3:
+            raise RoleError(f"{name} did not start")
+        return await replace(name)
+
+    relays.replace = flaky_replace
+
+    class KillingTrainer(FakeTrainer):
+        async def train(self, arrays):
+            if self.version == 1 and not relays.repairs:
+                relays.kill("relay1")
+                relays.repairs.append(RelayEvent("relay1", "exited", clock.epoch() - 0.5,
+                                                 clock.epoch(), "relay0"))
+            return await super().train(arrays)
+
+    ctl, summary = run(cfg, make_roles(KillingTrainer(relays), relays), tmp_path, clock=clock)
+    faults = read_jsonl(tmp_path / "faults.jsonl")
+    failed = [f for f in faults if f["event"] == "restart_failed"]
+    recovered = [f for f in faults if f["event"] == "recovered"]
+    if lost:
+        assert len(tries) == 1 and [f["final"] for f in failed] == [True]
+        assert not recovered and relays.replaced == []
+        # Down from its failure to the end: it was never replaced.
+        assert summary["role_down_s"] > summary["loop_wall_s"] - tries[0] - 1e-6
+    else:
+        assert len(tries) == 3 and [f["attempt"] for f in failed] == [1, 2]
+        gaps = np.diff(tries)
+        assert gaps[0] >= RELAY_BACKOFF_S and gaps[1] >= 2 * RELAY_BACKOFF_S
+        (done,) = recovered
+        assert relays.replaced == ["relay1"] and done["down_s"] >= gaps.sum()
+        assert summary["role_down_s"] == pytest.approx(done["down_s"], abs=1e-6)
+    assert summary["failures"] == 1
 
 
 def test_a_hung_relay_is_spliced_out_but_not_replaced(tmp_path):

@@ -26,7 +26,7 @@ GROUP_SIZE = 8   # AlgoConfig's default
 
 
 def _events(run_dir):
-    return [json.loads(l) for l in (run_dir / "faults.jsonl").read_text().splitlines()]
+    return read_jsonl(run_dir / "faults.jsonl")
 
 
 def _run_two_rollouts(run_dir, cache_dir, steps: int, *flags: str) -> int:

@@ -88,6 +88,6 @@ def test_a_killed_rank_restarts_the_whole_group_from_its_checkpoint(tmp_path, ca
                                       *second["pids"]])
     assert "trainer rank 1 was killed by SIGKILL; killing the rest of the group" in (
         run_dir / "logs" / "trainer.log").read_text()
-    events = [json.loads(l) for l in (run_dir / "faults.jsonl").read_text().splitlines()]
+    events = read_jsonl(run_dir / "faults.jsonl")
     assert [e["role"] for e in events if e["event"] == "recovered"] == ["trainer"]
     assert_nothing_lost(run_dir, steps=steps, eta=2)

@@ -186,7 +186,7 @@ def test_a_save_the_disk_has_no_room_for_is_said_and_the_run_goes_on(trainer, tm
         assert resumed.version == 2 and _host(resumed.state) == after_two
     finally:
         resumed.checkpoints.close()
-    # Any other failure of a save is still an error (fnrl.trainer.checkpoint.no_space).
+    # Any other failure of a save is still an error (fnrl.shell.files.no_space).
     monkeypatch.setattr(Checkpointer, "wait", lambda self: (_ for _ in ()).throw(
         RuntimeError("permission denied")))
     with pytest.raises(RuntimeError, match="permission denied"):
