@@ -45,6 +45,15 @@ class ClusterConfig:
     require_api_key: bool = False
     """Require the API key on loopback too (a host shared with other users, who can reach
     127.0.0.1 and vLLM's /collective_rpc on it)."""
+    share_run_dir: bool = False
+    """Let the owner's group read the run directory (directories 0750, files 0640). Off:
+    owner-only (0700, 0600), like the run's shared-memory segments: checkpoints, batches
+    and trajectories are the run's data, and other users of the host need none of it."""
+
+    @property
+    def file_mask(self) -> int:
+        """The umask every process of the run writes under (fnrl.shell.files.run_umask)."""
+        return 0o027 if self.share_run_dir else 0o077
 
     backend: str = "local"
     """Where roles run: "local" (child processes of the controller on this host; needs no

@@ -225,7 +225,7 @@ class LocalRelays:
         # then waited for in a thread: its start and its catch-up take seconds.
         role = self.cluster.start_replacement_relay(name)
         version = await asyncio.to_thread(self.cluster.join_relay, role)
-        return {"address": role.address, "version": version}
+        return {"address": role.address, "version": version, "pid": role.proc.pid}
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.cluster.kill(name, sig=sig, wait=False)

@@ -37,6 +37,7 @@ from fnrl.control.training import Training
 from fnrl.control.workload import forced_length
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import faults, schedule
+from fnrl.shell.files import DiskFull, SpaceReserve, no_space
 from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Interrupt, Migrate,
                         Pull, Route)
 
@@ -64,6 +65,9 @@ class Controller:
         self._count_pool_recovery()
         self.consumed = recovery.ConsumedLog(run_dir / "trajectories.jsonl", self.pool)
         self.attempts = report.Attempts(run_dir)
+        # Room for a clean stop if the disk fills (fnrl.shell.files.SpaceReserve).
+        self.reserve = SpaceReserve(run_dir)
+        self.disk_full: DiskFull | None = None
         self.plan = schedule.SchedulePlan(
             cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
                                         prompt_groups=cfg.rollout.groups_per_batch),
@@ -133,14 +137,37 @@ class Controller:
             self.attempts.write("end", self.svc.clock.epoch(), job_restart=True,
                                 **self._progress(self.svc.now()))
             raise
+        except Exception as err:
+            if not no_space(err):
+                raise
+            # A full disk: the reserve is given back so the stop can be written whole, and
+            # the attempt ends with a record of its own (not counted as killed).
+            self.reserve.release()
+            self.disk_full = err if isinstance(err, DiskFull) else DiskFull(
+                "the controller wrote its logs", self.run_dir, err)
+            self.attempts.write("end", self.svc.clock.epoch(), disk_full=str(self.disk_full),
+                                **self._progress(self.svc.now()))
+            raise self.disk_full from None
         finally:
             for t in self.svc.tasks:
                 t.cancel()
             await self.generation.close_tools()   # the sandbox's workers (multi-turn)
             self.bar.close()
             for closing in (self.supervisor, self.journal, self.consumed, self.pool, self.attempts):
-                closing.close()
-            (self.run_dir / "timeline.json").write_text(json.dumps(self.svc.timeline))
+                self._unless_disk_full(closing.close)
+            self._unless_disk_full(lambda: (self.run_dir / "timeline.json").write_text(
+                json.dumps(self.svc.timeline)))
+            if self.disk_full is None:
+                self.reserve.release()
+
+    def _unless_disk_full(self, action) -> None:
+        """Runs a closing `action`; once the disk is full, what it cannot write is let go
+        (what was written before is whole: every log tells a torn tail)."""
+        try:
+            action()
+        except OSError as err:
+            if self.disk_full is None or not no_space(err):
+                raise
 
     def _count_pool_recovery(self) -> None:
         """What opening the partial response pool dropped, counted and said: a torn

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from fnrl.shell.records import read_skipping
+from fnrl.shell.records import append, read_skipping
 
 
 class MetricsWriter:
@@ -26,7 +26,7 @@ class MetricsWriter:
         from tensorboardX.event_file_writer import EventsWriter
 
         self.run_dir = run_dir
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = append(run_dir / "metrics.jsonl")
         (run_dir / "tensorboard").mkdir(exist_ok=True)
         self._tb = EventsWriter(str(run_dir / "tensorboard" / "events"))
 

@@ -56,8 +56,10 @@ from fnrl.shell.net import free_port
 class NodeHost:
     """On one node: starts role processes there and answers for them by pid."""
 
-    def __init__(self, node: str):
+    def __init__(self, node: str, file_mask: int = 0o077):
         self.node = node
+        # The roles it starts write the run directory under the controller's umask.
+        os.umask(file_mask)
         self._procs: dict[int, object] = {}
         self._relays: dict[int, str] = {}
         # PR_SET_PDEATHSIG fires when the *thread* that forked a child ends: every spawn
@@ -247,7 +249,7 @@ class RayLauncher:
         self._actors = {
             name: NodeHost.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                 nodes[name], soft=False), name=f"fnrl-host-{name}",
-                num_gpus=self.placement.gpus_on(name)).remote(name)
+                num_gpus=self.placement.gpus_on(name)).remote(name, cfg.file_mask)
             for name in used}
         self.hosts = {name: _Host(a, name, call_timeout_s) for name, a in self._actors.items()}
         self.ips = {name: host.call("ip") for name, host in self.hosts.items()}

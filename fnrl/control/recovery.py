@@ -19,6 +19,7 @@ from fnrl.control.trajectories import TrajectoryTable
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import staleness as st
 from fnrl.policy.schedule import ScheduleState
+from fnrl.shell.records import append
 from fnrl.types import Problem
 
 
@@ -27,7 +28,7 @@ class ConsumedLog:
 
     def __init__(self, path: Path, pool: PartialResponsePool):
         self.pool = pool
-        self._f = open(path, "a", buffering=1)
+        self._f = append(path)   # a torn last line cut off first
 
     def log(self, name: str, version: int, trajectories, **extra) -> None:
         # The exact prompt ids each trajectory was generated from (chat template, system

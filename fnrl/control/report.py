@@ -19,7 +19,7 @@ import numpy as np
 
 from fnrl.control.book import Book
 from fnrl.control.metrics import read_jsonl
-from fnrl.shell.records import frame
+from fnrl.shell.records import append, frame
 
 # Counters every preset reports, so runs compare key for key.
 # migrated: trajectories moved between rollouts; migrations: Migrate commands, of which
@@ -107,7 +107,7 @@ class Attempts:
         self.path = run_dir / "attempts.jsonl"
         previous = read_jsonl(self.path)
         self.attempt = 1 + max((r["attempt"] for r in previous), default=-1)
-        self._f = open(self.path, "a", buffering=1)
+        self._f = append(self.path)
 
     def write(self, event: str, epoch: float, **fields) -> None:
         self._f.write(frame({"attempt": self.attempt, "event": event, "epoch": epoch,

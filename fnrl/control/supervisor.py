@@ -39,7 +39,7 @@ from fnrl.control.book import Book, Services
 from fnrl.control.handles import NodeLost, RoleError, Roles, ServerError
 from fnrl.control.metrics import read_jsonl
 from fnrl.policy import faults as F
-from fnrl.shell.records import frame
+from fnrl.shell.records import append, frame
 
 HEARTBEAT_S = 1.0
 # A relay's replacement is tried this many times, the waits between tries doubling from
@@ -95,7 +95,7 @@ class Supervisor:
         # An injection fires once per (role, step), also across controller and job restarts.
         self._injected = {(r["role"], r["step"]) for r in read_jsonl(path)
                           if r.get("event") == "inject_scheduled"}
-        self._log = open(path, "a", buffering=1)
+        self._log = append(path)
 
     def start(self) -> None:
         """The loop starts: every role is in its first step (a fresh history)."""
@@ -341,6 +341,9 @@ class Supervisor:
         w = self.watches.get(inj.role)
         if w is not None and w.restarting:
             return
+        # A relay's kill lands on a serving relay: one still being replaced waits for it.
+        while inj.role in self.roles.relays.names and self.down(inj.role):
+            await self.svc.clock.sleep(0.1)
         sig = signal.SIGSTOP if inj.signal == "stop" else signal.SIGKILL
         if inj.role in self.watches:   # relays are watched by their tier
             self.pending_kills[inj.role] = self.svc.now()

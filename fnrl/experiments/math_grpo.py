@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import faulthandler
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -61,8 +62,15 @@ from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
 from fnrl.policy.faults import check_injections, parse_injection
 from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
+from fnrl.shell.files import DiskFull, no_space, remove_unfinished_saves
 from fnrl.shell.net import free_port
 from fnrl.shell.wire import RoleError
+
+
+# Exit codes: 0 done; 1 a role failed for good; 2 bad input; 3 a correctness gate stopped
+# the run; 4 every update was refused; 5 the run directory's disk is full; 128 + N a signal.
+EXIT_DISK_FULL = 5
+
 
 def code_version() -> dict:
     root = Path(__file__).resolve().parents[2]
@@ -240,6 +248,16 @@ def run(cfg: RunConfig) -> dict:
     `faults.max_job_restarts` times. The summary covers every attempt of the run
     (fnrl.control.report.across_attempts), a controller killed and re-run included."""
     check_injections(tuple(parse_injection(s) for s in cfg.faults.inject), role_names(cfg))
+    # Owner-only files (--cluster.share-run-dir: the group may read) for the controller
+    # and every role it starts; put back when the job ends (main may run in a test).
+    previous_mask = os.umask(cfg.cluster.file_mask)
+    try:
+        return _run(cfg)
+    finally:
+        os.umask(previous_mask)
+
+
+def _run(cfg: RunConfig) -> dict:
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     run_dir = prepare_run_dir(cfg)
@@ -268,11 +286,22 @@ def run(cfg: RunConfig) -> dict:
                 raise RoleError(f"gave up after {restarts - 1} job restart(s): {err}") from err
             print(f"fnrl: restarting the job from its checkpoint: {err}", file=sys.stderr,
                   flush=True)
+        except Exception as err:   # a full disk: every role is stopped, the stop reported
+            if not no_space(err):
+                raise
+            full = err if isinstance(err, DiskFull) else DiskFull("the job wrote", run_dir, err)
+            # The trainer was stopped mid-save, maybe: its temporary directory goes too.
+            summary = {"disk_full": str(full), "disk_free_bytes": full.free_bytes,
+                       "removed_unfinished_saves": remove_unfinished_saves(
+                           run_dir / "checkpoints")}
+            break
     summary.update(across_attempts(run_dir), job_restarts=restarts)
-    plot_run(run_dir)
-    plot_timeline(run_dir)
     summary["run_dir"] = str(run_dir)
+    # summary.json first: after a full disk the plots are what may not fit.
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if "disk_full" not in summary:
+        plot_run(run_dir)
+        plot_timeline(run_dir)
     return summary
 
 
@@ -414,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:   # before any role started
         print("fnrl: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    if summary.get("disk_full"):
+        print(f"fnrl: stopped: {summary['disk_full']}. Every role is stopped and what the run "
+              f"holds is whole; make room, then the same --run-dir resumes it. Summary in "
+              f"{Path(summary['run_dir']) / 'summary.json'}", file=sys.stderr)
+        return EXIT_DISK_FULL
     if summary.get("gate_stopped"):   # fnrl.policy.gates: a clean stop, with a report
         print(f"fnrl: stopped by the correctness gate {summary['gate_stopped']}; see "
               f"{Path(summary['run_dir']) / 'gates_stop.json'}", file=sys.stderr)

@@ -109,3 +109,17 @@ class SpaceReserve:
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def remove_unfinished_saves(directory: str | os.PathLike) -> list[str]:
+    """Removes the temporary directories of checkpoint saves that never finished (Orbax
+    names them `<step>.orbax-checkpoint-tmp-...`; a finished save is renamed to its step
+    number) and returns their names. A full disk fails a save half way."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    names = [p.name for p in directory.iterdir() if p.is_dir() and not p.name.isdigit()
+             and "tmp" in p.name]
+    for name in names:
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return names

@@ -24,7 +24,7 @@ import json
 import zlib
 from pathlib import Path
 
-__all__ = ["DamagedRecord", "Read", "frame", "read", "read_skipping"]
+__all__ = ["DamagedRecord", "Read", "append", "frame", "read", "read_skipping"]
 
 
 class DamagedRecord(ValueError):
@@ -131,3 +131,31 @@ def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
             offset += len(line)
     # Bad lines after the last valid record are the torn tail a crash leaves.
     return records, [(at, why) for at, why in bad if at < last_good]
+
+
+def append(path: Path):
+    """`path` opened to append lines (line-buffered text), after cutting off a torn last
+    line: one without its end of line, left by a crash or a full disk. A line appended
+    after the fragment would fuse with it into one damaged record in the middle."""
+    path = Path(path)
+    if path.exists():
+        with open(path, "r+b") as f:
+            f.truncate(_whole_lines(f))
+    return open(path, "a", buffering=1)
+
+
+def _whole_lines(f, chunk: int = 1 << 20) -> int:
+    """The length of `f` up to and including its last end of line (0 if it has none)."""
+    end = f.seek(0, 2)
+    pos = end
+    while pos > 0:
+        start = max(0, pos - chunk)
+        f.seek(start)
+        block = f.read(pos - start)
+        if pos == end and block.endswith(b"\n"):
+            return end
+        cut = block.rfind(b"\n")
+        if cut >= 0:
+            return start + cut + 1
+        pos = start
+    return 0

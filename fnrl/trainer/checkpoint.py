@@ -40,6 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fnrl.shell.files import remove_unfinished_saves
 
 _SCAN_ATTEMPTS = 5
 MANIFEST = "fnrl_manifest.json"
@@ -101,10 +102,7 @@ class Checkpointer:
     def discard_unfinished(self) -> list[str]:
         """Removes the temporary directories of saves that did not finish (a full disk
         fails a save half way) and rescans; returns their names."""
-        names = [p.name for p in self.directory.iterdir() if p.is_dir() and not p.name.isdigit()
-                 and "tmp" in p.name]
-        for name in names:
-            shutil.rmtree(self.directory / name, ignore_errors=True)
+        names = remove_unfinished_saves(self.directory)
         self._rescan()
         return names
 

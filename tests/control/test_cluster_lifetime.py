@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from fnrl.control.metrics import read_jsonl
@@ -249,6 +250,12 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
     job = job_factory("--relay.num-relays", "2")
     job.wait_for(job.trained)
     roles = job.roles()
+    # A job on one machine listens on loopback alone: every socket of every process it
+    # runs (vLLM's API server and engine, the relays' ZeroMQ and UCX, the trainer's).
+    listening = {(c.laddr.ip, c.laddr.port, pid) for pid in job.pids
+                 for c in _connections(pid) if c.status == psutil.CONN_LISTEN}
+    assert {pid for *_, pid in listening} >= {int(roles[n]["pid"]) for n in ("relay0", "relay1")}
+    assert all(ip in ("127.0.0.1", "::1") for ip, *_ in listening), listening
     os.kill(int(roles["relay1"]["pid"]), signal.SIGKILL)       # a relay crashes
     os.kill(int(roles["rollout0"]["pid"]), signal.SIGKILL)     # vLLM's API server crashes
     faults = job.run_dir / "faults.jsonl"
@@ -261,6 +268,17 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
     job.proc.send_signal(signal.SIGINT)
     assert job.exit_code() == 130, job.log()[-3000:]
     job.assert_nothing_left()
+    # Owner-only: no file or directory of the run is readable by anyone else.
+    shared = [f"{p} {oct(p.stat().st_mode & 0o777)}" for p in [job.run_dir, *job.run_dir.rglob("*")]
+              if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert not shared, shared[:10]
+
+
+def _connections(pid: int) -> list:
+    try:
+        return psutil.Process(pid).net_connections("inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 
 import numpy as np
@@ -18,6 +19,7 @@ from fnrl.control.report import across_attempts
 from fnrl.control.supervisor import RELAY_BACKOFF_S, JobRestart
 from fnrl.experiments.presets import apply_preset
 from fnrl.control.journal import records as journal_records
+from fnrl.shell.files import DiskFull, SpaceReserve
 
 from fakes import FakeRelays, FakeRollout, FakeTrainer, VirtualClock, fake_task
 
@@ -395,3 +397,41 @@ def test_the_run_ends_after_the_restarts_under_way(tmp_path):
     events = read_jsonl(tmp_path / "faults.jsonl")
     assert any(e["event"] == "recovered" and e["role"] == "rollout1" for e in events)
     assert slow.restarts == 1 and summary["steps"] == STEPS
+
+
+@pytest.mark.parametrize("where", ["metrics", "trainer"])
+def test_a_full_disk_stops_the_attempt_cleanly_with_an_end_record(tmp_path, monkeypatch, where):
+    """ENOSPC in the controller's own writes, or a trainer that could not log its batch:
+    a DiskFull naming the run's disk, an `end` record (not a killed attempt), the logs
+    closed whole and the space reserve given back."""
+    relays = FakeRelays()
+    trainer = FakeTrainer(relays)
+    if where == "metrics":
+        write = MetricsWriter.write
+
+        def full_at_step_3(self, kind, step, values):
+            if kind == "train" and step == 3:
+                raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
+            return write(self, kind, step, values)
+        monkeypatch.setattr(MetricsWriter, "write", full_at_step_3)
+    else:
+        train = trainer.train
+
+        async def full_at_version_2(arrays):
+            if trainer.version == 2:
+                raise DiskFull("trainer was writing", tmp_path, "[Errno 28] No space left")
+            return await train(arrays)
+        trainer.train = full_at_version_2
+    with pytest.raises(DiskFull, match=f"no space left on the device of {tmp_path}"):
+        run(make_cfg("fnrl"), make_roles(trainer, relays), tmp_path)
+    (end,) = [r for r in read_jsonl(tmp_path / "attempts.jsonl") if r["event"] == "end"]
+    assert "no space left" in end["disk_full"] and end["steps"] in (2, 3)
+    assert across_attempts(tmp_path)["killed_attempts"] == 0
+    assert not (tmp_path / SpaceReserve.NAME).exists()
+    journal_records(tmp_path / "journal.jsonl")   # whole: reads without a damaged record
+    assert (tmp_path / "timeline.json").exists()
+
+
+def test_a_finished_run_gives_its_space_reserve_back(tmp_path):
+    run(make_cfg("fnrl", steps=2), make_roles(), tmp_path)
+    assert not (tmp_path / SpaceReserve.NAME).exists()

@@ -10,9 +10,11 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fnrl.control.metrics import read_jsonl
+from fnrl.control.roles import read_roles
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.experiments.math_grpo import main
 from fnrl.control.journal import records as journal_records
@@ -84,17 +86,31 @@ def test_role_kills_trainer_rollout_and_relays_are_survived(tmp_path, cache_dir)
     assert _run_two_rollouts(run_dir, cache_dir, steps,
         "--relay.num-relays", "3",
         # trainer mid-step at 3 and 6; rollout 1 mid-generation at 4; the middle relay
-        # at 5; the master relay at 7 (a new master is elected, the trainer follows it).
-        "--faults.inject", "trainer:every=3", "rollout1:at=4", "relay1:at=5", "relay0:at=7") == 0
+        # at 3 and again at 6 (its replacement); the master relay at 7 (a new master is
+        # elected, the trainer follows it).
+        "--faults.inject", "trainer:every=3", "rollout1:at=4", "relay1:every=3",
+        "relay0:at=7") == 0
     events = _events(run_dir)
     recovered = {e["role"] for e in events if e["event"] == "recovered"}
     # The killed relays were replaced on this host (and joined the chain again).
     assert recovered == {"trainer", "rollout1", "relay0", "relay1"}
     assert sum(e["event"] == "recovered" and e["role"] == "trainer" for e in events) == 2
-    assert {e["role"] for e in events if e["event"] == "inject"} >= {"relay0", "relay1"}
+    kills = [e["role"] for e in events if e["event"] == "inject"]
+    assert sorted(kills) == ["relay0", "relay1", "relay1", "rollout1", "trainer", "trainer"]
     assert not [e for e in events if e["event"] == "restart_failed"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["version"] == steps and summary["failures"] == 3
+    # Every kill is a failure, relays' included; each relay is down until its
+    # replacement serves, and ETTR counts it (not only the chain's splice).
+    assert summary["version"] == steps and summary["failures"] == len(kills)
+    relay_down = [e["down_s"] for e in events if e["event"] == "recovered"
+                  and e["role"].startswith("relay")]
+    repairs = [e["repair_s"] for e in events if e["event"] == "chain_repaired"]
+    assert len(relay_down) == 3 and sum(relay_down) > sum(repairs)
+    assert summary["role_down_s_all"] >= sum(relay_down)
+    assert summary["relay_recovery_s_mean"] == pytest.approx(np.mean(relay_down), rel=1e-6)
+    # roles.json follows the replacements: it names the last relay1 that was started.
+    last = [e for e in events if e["event"] == "recovered" and e["role"] == "relay1"][-1]
+    assert read_roles(run_dir / "roles.json")["relay1"]["pid"] == last["pid"]
     # Rollouts reached the last version through the repaired chain (relay2 survives,
     # the replacements joined behind it).
     assert summary["last_eval"]["version"] == steps
