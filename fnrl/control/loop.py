@@ -140,11 +140,12 @@ class Controller:
         except Exception as err:
             if not no_space(err):
                 raise
-            # A full disk: the reserve is given back so the stop can be written whole, and
-            # the attempt ends with a record of its own (not counted as killed).
-            self.reserve.release()
+            # A full disk (its free bytes read now, as the write failed): the reserve is
+            # given back so the stop can be written whole, and the attempt ends with a
+            # record of its own (not counted as killed).
             self.disk_full = err if isinstance(err, DiskFull) else DiskFull(
                 "the controller wrote its logs", self.run_dir, err)
+            self.reserve.release()
             self.attempts.write("end", self.svc.clock.epoch(), disk_full=str(self.disk_full),
                                 **self._progress(self.svc.now()))
             raise self.disk_full from None
