@@ -4,11 +4,11 @@ Each record is one line, its CRC-32 in 8 hex digits, a space, then the JSON obje
 
     3f1a09c2 {"ev": "fill", ...}
 
-A crash can only cut the last record short (a write that never finished): the reader
-drops that torn tail, the writer cuts it off before appending again, and nothing after
-it existed. A record that fails its check with valid records after it is damage in the
-middle (a bad disk, a stray write): dropping it or cutting the log there would silently
-lose what came after, so reading raises `DamagedRecord`, naming the file, the byte
+A crash can only cut the last record short (a write that never finished, so a last line
+with no end of line): the reader drops that torn tail, the writer cuts it off before
+appending again, and nothing after it existed. Any other record that fails its check is
+damage (a bad disk, a stray write): dropping it or cutting the log there would silently
+lose it and what came after, so reading raises `DamagedRecord`, naming the file, the byte
 offset, the record's index and how many valid records follow, and the caller decides.
 What the write-ahead logs of databases do (PostgreSQL's WAL, Kafka's segments, both with
 a CRC per record), kept readable: `cut -d' ' -f2- FILE | jq` prints the records.
@@ -85,8 +85,8 @@ def _parse(line: bytes) -> tuple[dict | None, str]:
 
 
 def read(path: Path) -> Read:
-    """Every record of `path` ([] if it does not exist). A bad last record is a torn
-    tail: dropped. A bad record with any valid one after it raises `DamagedRecord`."""
+    """Every record of `path` ([] if it does not exist). A last line cut short (no end of
+    line) is a torn tail: dropped. Any other bad record raises `DamagedRecord`."""
     path = Path(path)
     if not path.exists():
         return Read([], [], 0)
@@ -105,21 +105,30 @@ def read(path: Path) -> Read:
                 records.append(record)
                 offsets.append(offset)
             offset += len(line)
-    if bad is not None and valid_after:
+    # A crash cuts only the last record short: one line, with no end of line. A bad line
+    # that ends (or any bad line with more after it) was damaged: a flipped end of line
+    # fuses two records into one bad line, and taking that for a torn tail would drop both.
+    if bad is not None and (valid_after or b"\n" in _tail_from(path, bad[0])):
         raise DamagedRecord(path, bad[0], bad[1], bad[2], valid_after)
     good = bad[0] if bad is not None else offset
     return Read(records, offsets, good, offset - good)
 
 
+def _tail_from(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
     """For report logs, where a lost record costs a figure, not a group trained twice:
-    every valid record, and (byte offset, reason) of each damaged one in the middle,
-    skipped. A torn tail is dropped and not listed."""
+    every valid record, and (byte offset, reason) of each damaged one, skipped. A torn
+    tail (a last line cut short) is dropped and not listed."""
     path = Path(path)
     if not path.exists():
         return [], []
     records, bad = [], []
-    offset, last_good = 0, -1
+    offset, line = 0, b""
     with open(path, "rb") as f:
         for line in f:
             record, why = _parse(line)
@@ -127,10 +136,10 @@ def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
                 bad.append((offset, why))
             else:
                 records.append(record)
-                last_good = offset
             offset += len(line)
-    # Bad lines after the last valid record are the torn tail a crash leaves.
-    return records, [(at, why) for at, why in bad if at < last_good]
+    if bad and not line.endswith(b"\n") and bad[-1][0] == offset - len(line):
+        bad.pop()   # the last line cut short: the torn tail a crash leaves
+    return records, bad
 
 
 def append(path: Path):

@@ -94,15 +94,45 @@ def test_damage_in_the_middle_refuses_with_the_offset_and_cuts_nothing(tmp_path,
     assert path.stat().st_size == size   # the journal is not cut at the damage
 
 
-def test_garbage_after_the_last_record_is_a_torn_tail_and_old_journals_still_read(tmp_path):
+def test_a_cut_last_line_is_a_torn_tail_and_old_journals_still_read(tmp_path):
     path = tmp_path / "journal.jsonl"
     _write(path, trained_last=True)
-    with open(path, "ab") as f:
-        f.write(b"\x00\x17garbage\n" + frame({"ev": "fill"})[:12].encode())
-    assert len(records(path)) == 9
+    whole = path.read_bytes()
+    # What a crash leaves: a record cut short, or blocks of zeros (a power loss).
+    for tail in (frame({"ev": "fill"})[:12].encode(), b"\x00" * 4096):
+        path.write_bytes(whole + tail)
+        assert len(records(path)) == 9
     Journal(path).close()   # cuts the tail
-    assert len(path.read_text().splitlines()) == 9
+    assert path.read_bytes() == whole
+    # A whole line that fails its check was damaged, even with nothing after it.
+    path.write_bytes(whole + b"\x00\x17garbage\n")
+    with pytest.raises(DamagedRecord, match=f"record 9 at byte {len(whole)}"):
+        records(path)
+    path.write_bytes(whole)
     # A journal written before framing (plain JSON lines) is read as it is.
     old = tmp_path / "old.jsonl"
     old.write_text("".join(json.dumps(r) + "\n" for r in records(path)))
     assert replay(old, trainer_version=2) == replay(path, trainer_version=2)
+
+
+def test_any_single_damaged_byte_is_refused_or_is_the_torn_tail(tmp_path):
+    """Every byte of every record, damaged alone, is refused (never replayed as if the
+    record were not there: that would train groups twice), but the last end of line:
+    without it the last record reads as cut short by a crash, and the replay is the one
+    of the journal without it."""
+    path = tmp_path / "journal.jsonl"
+    _write(path, trained_last=True)
+    whole = path.read_bytes()
+    last = whole.rstrip(b"\n").rfind(b"\n") + 1
+    (tmp_path / "cut.jsonl").write_bytes(whole[:last])
+    without_last = replay(tmp_path / "cut.jsonl", trainer_version=2)
+    for at in range(len(whole)):
+        for flip in (0x01, 0x80):
+            path.write_bytes(whole[:at] + bytes([whole[at] ^ flip]) + whole[at + 1:])
+            try:
+                got = replay(path, trainer_version=2)
+            except DamagedRecord as err:
+                assert err.offset <= at, (at, flip)
+                continue
+            assert at == len(whole) - 1, (at, flip)   # the last end of line alone
+            assert got == without_last, (at, flip)
