@@ -28,24 +28,40 @@ STEPS = 6
 SCRIPT = textwrap.dedent("""\
     set -u
     mount -t tmpfs -o size=400m,mode=0700 tmpfs "$MNT"
-    run() { "$PYTHON" -m fnrl.experiments.math_grpo --steps $STEPS --eval-every 100 \\
+    run() { exec "$PYTHON" -m fnrl.experiments.math_grpo --steps $STEPS --eval-every 100 \\
               --run-dir "$MNT/run" --warm-start.cache-dir "$CACHE" $ARGS; }
-    run > "$OUT/first.out" 2> "$OUT/first.err" &
+    (run > "$OUT/first.out" 2> "$OUT/first.err") &
     job=$!
-    # Another process fills the disk once step 2 is in (a condition, not a delay).
+    # Another process fills the disk once step 2 is in (a condition, not a delay), and
+    # keeps it full: every byte the job frees (a failed save's files, an old checkpoint)
+    # is taken again, but for a margin (256 KiB) that the stop's own records fit in and
+    # the job's next steps do not. The controller is held still while the disk first
+    # fills, so the run cannot finish before it is full, however fast this machine.
     until grep -q '"step": 2' "$MNT/run/metrics.jsonl" 2>/dev/null; do
         kill -0 $job 2>/dev/null || break
         sleep 0.2
     done
-    free=$(( $(stat -f -c '%a' "$MNT") * $(stat -f -c '%S' "$MNT") ))
-    fallocate -l $free "$MNT/filler"
+    n=0
+    fill() {
+        free=$(( $(stat -f -c '%a' "$MNT") * $(stat -f -c '%S' "$MNT") ))
+        if [ $free -gt 262144 ]; then
+            n=$((n + 1))
+            fallocate -l $((free - 262144)) "$MNT/filler.$n" 2>/dev/null || true
+        fi
+    }
+    kill -STOP $job
+    fill
+    kill -CONT $job
+    (while true; do fill; sleep 0.1; done) &
+    filler=$!
     wait $job
     echo $? > "$OUT/first.rc"
     ls -a "$MNT/run/checkpoints" > "$OUT/first.checkpoints"
     pgrep -f "$MNT/run" > "$OUT/first.left"
     cp -a "$MNT/run" "$OUT/first"
-    rm "$MNT/filler"                       # room made: the same command resumes
-    run > "$OUT/second.out" 2> "$OUT/second.err"
+    kill $filler; wait $filler
+    rm "$MNT"/filler.*                     # room made: the same command resumes
+    (run > "$OUT/second.out" 2> "$OUT/second.err")
     echo $? > "$OUT/second.rc"
     cp -a "$MNT/run" "$OUT/second"
 """)
