@@ -351,7 +351,11 @@ def make_launcher(cfg: RunConfig, gpu=None):
     the one GPU they share, `gpu_plan`), or Ray's nodes."""
     if cfg.cluster.backend == "local":
         return LocalLauncher(gpu=gpu)
-    from fnrl.control.ray_cluster import RayLauncher   # Ray is imported only when used
+    try:   # Ray is imported only when used: an optional dependency (the extra `ray`)
+        from fnrl.control.ray_cluster import RayLauncher
+    except ImportError as err:
+        raise ValueError(f"cluster.backend='ray' needs Ray, which is not installed ({err}): "
+                         "pip install 'fnrl[ray]'") from None
     return RayLauncher(cfg.cluster, cfg.rollout.num_servers,
                        with_eval=cfg.eval.server == "dedicated",
                        gpus_per_process=cfg.trainer.gpus_per_process,
