@@ -28,9 +28,9 @@ serves on:
 `reserve` + `commit` is the trainer's hand-off: it writes a version straight into a
 shared-memory slot it keeps mapped, so its stall is one memory copy plus one message (a
 slot, once lent, is written again without asking: the tensors are laid out by
-`store.plan_layout` on both sides). "held" answers at once; the relay then copies the slot
-into the version's own segment under an exclusive `flock` of the slot, which the trainer
-takes before it writes the slot again.
+`store.plan_layout` on both sides). "held" answers at once (once the version handed off
+before is copied in); the relay then copies the slot into the version's own segment under
+an exclusive `flock` of the slot, which the trainer takes before it writes it again.
 
 Data (UCX, between relays): `fnrl.relay.data_plane` streams each version down the
 chain in pipelined, checksummed chunks; a version becomes visible here only once every
@@ -188,6 +188,8 @@ class Relay:
         return held
 
     def abort(self, held: Held, why: str) -> None:
+        if held.state == "aborted":  # its name is gone, and may be a retried attempt's now
+            return
         log.warning("version %d abandoned: %s", held.version, why)
         held.state = "aborted"
         if self.filling is held:
@@ -198,6 +200,8 @@ class Relay:
 
     def finish(self, held: Held) -> None:
         """Make a filled, verified version visible; retire versions beyond `keep_versions`."""
+        if held.state == "aborted":   # abandoned while its last chunk was checked: its
+            return                      # name is gone, readers would find no segment
         held.manifest = dataclasses.replace(held.manifest, checksums=tuple(held.sums))
         held.state = "complete"
         if self.filling is held:
@@ -384,6 +388,7 @@ class Relay:
 
     async def commit(self, header: dict) -> dict:
         """The publisher has written its slot: this relay now holds the version."""
+        await self._after_hand_off()
         version, segment = int(header["version"]), header["segment"]
         slot = next((s for s in self.slots if s.segment == segment), None)
         if slot is None or slot.busy:
@@ -402,6 +407,17 @@ class Relay:
             if held.state != "complete":
                 return {"ok": False, "error": f"version {version} was abandoned"}
         return {"ok": True, "version": version}
+
+    async def _after_hand_off(self) -> None:
+        """Once no handed-off version is still being copied in (or after the chunk
+        timeout): superseded by a next one that may turn out unwritten, it would leave
+        this relay without the version it said it held. Checked at every wake-up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.chunk_timeout_s
+        while (previous := self.filling) is not None and previous.handed_off:
+            if not await self.wait_until(lambda: previous.state != "filling",
+                                         max(0.0, deadline - loop.time())):
+                return
 
     async def _fill_from(self, held: Held, slot: Slot | None) -> None:
         """Checksum `held` chunk by chunk (copying it out of `slot` first, if given, once
