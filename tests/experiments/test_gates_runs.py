@@ -1,6 +1,7 @@
 """The correctness gates on the real job (trainer, relay and vLLM processes): each
-injected fault is caught within a few steps with its action, and a clean run fires
-nothing. Short runs of the small model (e2e_args.SMALL), in this process."""
+injected fault is caught within a few steps with its action (a clean run that fires
+nothing: test_relay_tier_e2e.py). Short runs of the small model (e2e_args.SMALL), in this
+process."""
 
 import json
 
@@ -30,16 +31,6 @@ def _train(run_dir) -> list[dict]:
 
 def _actions(record) -> list[str]:
     return [a["action"] for a in record["actions"]]
-
-
-def test_a_clean_run_fires_no_gate(tmp_path, cache_dir):
-    assert _run(tmp_path, cache_dir, 8) == 0
-    assert _gates(tmp_path) == []
-    train = _train(tmp_path)
-    assert len(train) == 8 and all(r["gate_refused"] == 0.0 for r in train)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["gate_firings"] == 0 and summary["gate_stopped"] is None
-    assert not (tmp_path / "gates_stop.json").exists()
 
 
 def test_wrong_behaviour_logprobs_are_skipped_at_their_step(tmp_path, cache_dir):
