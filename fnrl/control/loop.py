@@ -37,7 +37,7 @@ from fnrl.control.training import Training
 from fnrl.control.workload import forced_length
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import faults, schedule
-from fnrl.shell.files import DiskFull, SpaceReserve, no_space
+from fnrl.shell.files import no_space
 from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Interrupt, Migrate,
                         Pull, Route)
 
@@ -62,12 +62,9 @@ class Controller:
         self.journal = journal.Journal(path, fsync=cfg.coord.pool_fsync)
         steps = max(trainer_version, self.replayed.trained_steps)
         self.book = Book(trainer_version=trainer_version, steps_done=steps)
-        self._count_pool_recovery()
+        recovery.count_pool_recovery(self.pool, self.book.counts, self.log)
         self.consumed = recovery.ConsumedLog(run_dir / "trajectories.jsonl", self.pool)
         self.attempts = report.Attempts(run_dir)
-        # Room for a clean stop if the disk fills (fnrl.shell.files.SpaceReserve).
-        self.reserve = SpaceReserve(run_dir)
-        self.disk_full: DiskFull | None = None
         self.plan = schedule.SchedulePlan(
             cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
                                         prompt_groups=cfg.rollout.groups_per_batch),
@@ -140,46 +137,18 @@ class Controller:
         except Exception as err:
             if not no_space(err):
                 raise
-            # A full disk (its free bytes read now, as the write failed): the reserve is
-            # given back so the stop can be written whole, and the attempt ends with a
-            # record of its own (not counted as killed).
-            self.disk_full = err if isinstance(err, DiskFull) else DiskFull(
-                "the controller wrote its logs", self.run_dir, err)
-            self.reserve.release()
-            self.attempts.write("end", self.svc.clock.epoch(), disk_full=str(self.disk_full),
-                                **self._progress(self.svc.now()))
-            raise self.disk_full from None
+            raise self.attempts.stop_on_full_disk(err, self.svc.clock.epoch(), self.run_dir,
+                                                  **self._progress(self.svc.now())) from None
         finally:
             for t in self.svc.tasks:
                 t.cancel()
             await self.generation.close_tools()   # the sandbox's workers (multi-turn)
             self.bar.close()
-            for closing in (self.supervisor, self.journal, self.consumed, self.pool, self.attempts):
-                self._unless_disk_full(closing.close)
-            self._unless_disk_full(lambda: (self.run_dir / "timeline.json").write_text(
+            for closing in (self.supervisor, self.journal, self.consumed, self.pool):
+                self.attempts.closing(closing.close)
+            self.attempts.closing(lambda: (self.run_dir / "timeline.json").write_text(
                 json.dumps(self.svc.timeline)))
-            if self.disk_full is None:
-                self.reserve.release()
-
-    def _unless_disk_full(self, action) -> None:
-        """Runs a closing `action`; once the disk is full, what it cannot write is let go
-        (what was written before is whole: every log tells a torn tail)."""
-        try:
-            action()
-        except OSError as err:
-            if self.disk_full is None or not no_space(err):
-                raise
-
-    def _count_pool_recovery(self) -> None:
-        """What opening the partial response pool dropped, counted and said: a torn
-        tail, and damage in the middle with the trajectories it broke (regenerated)."""
-        r, counts = self.pool.recovery, self.book.counts
-        counts["recovery_pool_torn_bytes"] += r.torn_bytes
-        counts["recovery_pool_damaged_bytes"] += r.damaged_bytes
-        counts["recovery_pool_discarded_trajectories"] += len(r.discarded_uids)
-        counts["recovery_pool_discarded_tokens"] += r.discarded_tokens
-        if r.damaged_bytes:
-            self.log(f"partial response pool: {r.describe(self.pool.path)}")
+            self.attempts.close()
 
     @staticmethod
     def _evaluates_on_rollouts(cfg: RunConfig, roles: Roles) -> bool:
@@ -349,28 +318,14 @@ class Controller:
         self.bar.update(1)
 
     def _progress(self, wall: float) -> dict:
-        e = report.ettr(self.supervisor.outages, self.generation.rollouts,
-                        num_relays=len(self.roles.relays.names), wall_s=wall)
-        return {"wall_s": wall, "steps": self.book.steps_done, "role_down_s": e["role_down_s"],
-                "ettr_units": e["ettr_units"]}
+        return report.progress(self.book, self.supervisor.outages, self.generation.rollouts,
+                               num_relays=len(self.roles.relays.names), wall_s=wall)
 
     def summary(self, wall: float, eval_in_loop: float) -> dict:
-        """This attempt's figures; the job runner adds those over every attempt."""
-        b = self.book
-        # RL time: from the first cycle to the last step's return, evaluations excluded.
-        train_wall = max(b.last_train_end_s - eval_in_loop, 1e-9)
-        return {"steps": b.steps_done, "train_wall_s": train_wall,
-                "trained_tokens_per_s": b.trained_tokens / train_wall, "version": b.trainer_version, "last_eval": b.last_eval,
-                **report.ettr(self.supervisor.outages, self.generation.rollouts,
-                              num_relays=len(self.roles.relays.names), wall_s=wall),
-                "failures": self.supervisor.failures, "loop_wall_s": wall,
-                "invalid_trajectories": b.invalid_trajectories,
-                "trained_tokens": b.trained_tokens, "generated_tokens": b.generated_tokens,
-                "staleness_checked_tokens": b.checked_tokens,
-                "staleness_checked_max": b.max_staleness, "eta": self.cfg.coord.eta,
-                "eval_server": ("off" if self.cfg.eval.server == "off" else
-                                "dedicated" if self.eval_lane is not None else "rollout"),
-                "evaluated_versions": list(b.evaluated_versions),
-                "eval_lane_s": b.time["eval_lane_s"], **self.gating.summary(),
-                **{k: b.counts[k] for k in report.COUNT_KEYS},
-                **report.utilization(b, self.generation.rollouts, wall)}
+        eval_server = ("off" if self.cfg.eval.server == "off" else
+                       "dedicated" if self.eval_lane is not None else "rollout")
+        return report.attempt_summary(
+            self.book, self.generation.rollouts, self.supervisor.outages,
+            failures=self.supervisor.failures, num_relays=len(self.roles.relays.names),
+            eta=self.cfg.coord.eta, eval_server=eval_server, gates=self.gating.summary(),
+            wall_s=wall, eval_in_loop_s=eval_in_loop)

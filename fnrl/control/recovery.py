@@ -124,3 +124,15 @@ def recover(rp: Replayed, state: ScheduleState, *, eta: int, table: TrajectoryTa
         f"{len(rp.consumed)} groups consumed, {len(admissions)} in flight "
         f"({len(finished)} finished), {counts['recovery_discarded_tokens']} stale tokens discarded")
     return state
+
+
+def count_pool_recovery(pool: PartialResponsePool, counts, log: Callable[[str], None]) -> None:
+    """What opening the partial response pool dropped, counted and said: a torn tail,
+    and damage in the middle with the trajectories it broke (regenerated)."""
+    r = pool.recovery
+    counts["recovery_pool_torn_bytes"] += r.torn_bytes
+    counts["recovery_pool_damaged_bytes"] += r.damaged_bytes
+    counts["recovery_pool_discarded_trajectories"] += len(r.discarded_uids)
+    counts["recovery_pool_discarded_tokens"] += r.discarded_tokens
+    if r.damaged_bytes:
+        log(f"partial response pool: {r.describe(pool.path)}")

@@ -19,6 +19,7 @@ import numpy as np
 
 from fnrl.control.book import Book
 from fnrl.control.metrics import read_jsonl
+from fnrl.shell.files import DiskFull, SpaceReserve, no_space
 from fnrl.shell.records import append, frame
 
 # Counters every preset reports, so runs compare key for key.
@@ -101,20 +102,74 @@ def step_record(book: Book, rollouts: Sequence, trainer_metrics: dict, stats: di
 class Attempts:
     """attempts.jsonl: one start, progress records and (unless killed) one end per
     attempt, framed (fnrl.shell.records). A killed attempt's last progress record bounds
-    when it stopped."""
+    when it stopped. It also holds the run's room for a clean stop: a few MiB reserved at
+    start (fnrl.shell.files.SpaceReserve), given back when the disk fills so the end
+    record and every log's close can still be written."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / "attempts.jsonl"
         previous = read_jsonl(self.path)
         self.attempt = 1 + max((r["attempt"] for r in previous), default=-1)
         self._f = append(self.path)
+        self.reserve = SpaceReserve(run_dir)
+        self.disk_full: DiskFull | None = None
 
     def write(self, event: str, epoch: float, **fields) -> None:
         self._f.write(frame({"attempt": self.attempt, "event": event, "epoch": epoch,
                              **fields}))
 
+    def stop_on_full_disk(self, err: BaseException, epoch: float, where: Path,
+                          **progress) -> DiskFull:
+        """The attempt's end after a write found the disk full: its free bytes read now,
+        the reserve given back, an end record of its own (not a killed attempt)."""
+        self.disk_full = err if isinstance(err, DiskFull) else DiskFull(
+            "the controller wrote its logs", where, err)
+        self.reserve.release()
+        self.write("end", epoch, disk_full=str(self.disk_full), **progress)
+        return self.disk_full
+
+    def closing(self, action) -> None:
+        """Runs a closing `action`; once the disk is full, what it cannot write is let go
+        (what was written before is whole: every log tells a torn tail)."""
+        try:
+            action()
+        except OSError as err:
+            if self.disk_full is None or not no_space(err):
+                raise
+
     def close(self) -> None:
-        self._f.close()
+        self.closing(self._f.close)
+        if self.disk_full is None:
+            self.reserve.release()
+
+
+def progress(book: Book, outages: Sequence, rollouts: Sequence, *, num_relays: int,
+             wall_s: float) -> dict:
+    """An attempt's progress record: enough for ETTR across attempts if it is killed."""
+    e = ettr(outages, rollouts, num_relays=num_relays, wall_s=wall_s)
+    return {"wall_s": wall_s, "steps": book.steps_done, "role_down_s": e["role_down_s"],
+            "ettr_units": e["ettr_units"]}
+
+
+def attempt_summary(book: Book, rollouts: Sequence, outages: Sequence, *, failures: int,
+                    num_relays: int, eta: int, eval_server: str, gates: dict, wall_s: float,
+                    eval_in_loop_s: float) -> dict:
+    """One attempt's figures; the job runner adds those over every attempt."""
+    # RL time: from the first cycle to the last step's return, evaluations excluded.
+    train_wall = max(book.last_train_end_s - eval_in_loop_s, 1e-9)
+    return {"steps": book.steps_done, "train_wall_s": train_wall,
+            "trained_tokens_per_s": book.trained_tokens / train_wall,
+            "version": book.trainer_version, "last_eval": book.last_eval,
+            **ettr(outages, rollouts, num_relays=num_relays, wall_s=wall_s),
+            "failures": failures, "loop_wall_s": wall_s,
+            "invalid_trajectories": book.invalid_trajectories,
+            "trained_tokens": book.trained_tokens, "generated_tokens": book.generated_tokens,
+            "staleness_checked_tokens": book.checked_tokens,
+            "staleness_checked_max": book.max_staleness, "eta": eta, "eval_server": eval_server,
+            "evaluated_versions": list(book.evaluated_versions),
+            "eval_lane_s": book.time["eval_lane_s"], **gates,
+            **{k: book.counts[k] for k in COUNT_KEYS},
+            **utilization(book, rollouts, wall_s)}
 
 
 def across_attempts(run_dir: Path) -> dict:
