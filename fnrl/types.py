@@ -252,3 +252,43 @@ class Reconfigure:
 
 
 CycleCommand = Pull | Route | Interrupt | Abort | Migrate | Consume | DropGroups | FillPrompts
+
+
+# --- what roles answer: the role handles' values and errors (fnrl.control.handles) ---
+
+
+class RoleError(RuntimeError):
+    """A role process died or answered with an error; the message names the role."""
+
+
+class NodeLost(RoleError):
+    """A role cannot be started again where it ran: its node is gone."""
+
+
+class ServerError(RuntimeError):
+    """A generation server failed a request, answered nonsense, or timed out."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation.
+
+    `logprobs[i]` is log μ(token_ids[i] | prefix), μ the distribution it was sampled from:
+    softmax(logits / temperature) over the top_k / top_p tokens, renormalised (the
+    server runs with `--logprobs-mode processed_logprobs`). At temperature 0 (greedy) it
+    is the unscaled log-softmax.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens a streaming request produced since its previous chunk (often one), with
+    their log-probs; `finish_reason` is set on the last chunk only."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str | None

@@ -22,8 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from fnrl.serving.client import Completion, ServerError, StreamChunk
-from fnrl.shell.wire import NodeLost, RoleError
+from fnrl.types import Completion, NodeLost, RoleError, ServerError, StreamChunk
 
 __all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "EvalServerHandle",
            "RelayTierHandle",

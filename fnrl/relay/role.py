@@ -194,8 +194,7 @@ class Relay:
         held.state = "aborted"
         if self.filling is held:
             self.filling = None
-        # Unlink only: a UCX receive may still be posted into the mapping, so it is left
-        # to the garbage collector rather than closed.
+        # Unlink only: a UCX receive may still be posted into the mapping (left to the GC).
         store.unlink_segment(held.manifest.segment)
 
     def finish(self, held: Held) -> None:

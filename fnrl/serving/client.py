@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 
 from fnrl.shell import auth
+from fnrl.types import Completion, ServerError, StreamChunk  # noqa: F401 - re-exported
 
 # Knobs the trainer cannot reproduce pinned to "no change", so the behaviour policy is
 # the temperature-scaled softmax truncated by top_k and top_p, nothing else.
@@ -22,35 +23,6 @@ _NEUTRAL_SAMPLING = {
     "frequency_penalty": 0.0,
 }
 METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-
-
-class ServerError(RuntimeError):
-    """A generation server failed a request, answered nonsense, or timed out."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """One sampled continuation.
-
-    `logprobs[i]` is log μ(token_ids[i] | prefix), μ the distribution it was sampled from:
-    softmax(logits / temperature) over the top_k / top_p tokens, renormalised (the
-    server runs with `--logprobs-mode processed_logprobs`). At temperature 0 (greedy) it
-    is the unscaled log-softmax.
-    """
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamChunk:
-    """Tokens a streaming request produced since its previous chunk (often one), with
-    their log-probs; `finish_reason` is set on the last chunk only."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str | None
 
 
 class RolloutClient:

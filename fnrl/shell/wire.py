@@ -18,15 +18,10 @@ import zmq
 
 from fnrl.shell import auth
 from fnrl.shell.files import DiskFull, log_tail
+from fnrl.types import NodeLost, RoleError  # noqa: F401 - re-exported
 from fnrl.shell.procs import exit_reason
 
 
-class RoleError(RuntimeError):
-    """A role process died or answered with an error; the message names the role."""
-
-
-class NodeLost(RoleError):
-    """A role cannot be started again where it ran: its node is gone."""
 
 
 def send(sock: zmq.Socket, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None,

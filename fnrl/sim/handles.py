@@ -25,7 +25,7 @@ import signal
 from dataclasses import dataclass, field
 
 from fnrl.control.handles import RelayEvent, TrainResult
-from fnrl.serving.client import Completion, StreamChunk
+from fnrl.types import Completion, StreamChunk
 from fnrl.sim import costs
 from fnrl.sim.costs import DecodeCosts
 

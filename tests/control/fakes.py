@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from fnrl.control.handles import RelayEvent, RoleError, ServerError, TrainResult
 from fnrl.data.arith import PromptStream, eval_problems
-from fnrl.serving.client import Completion, StreamChunk
+from fnrl.types import Completion, StreamChunk
 
 VOCAB = 50
 EOS = 1

@@ -16,7 +16,7 @@ from fnrl.control.eval_lane import next_due
 from fnrl.control.handles import EvalServerHandle, Roles, ServerError
 from fnrl.control.memory import plan_memory
 from fnrl.control.metrics import read_jsonl
-from fnrl.serving.client import Completion
+from fnrl.types import Completion
 
 from fakes import EOS, FakeRelays, FakeRollout, FakeTrainer
 from test_loop import STEPS, make_cfg, run

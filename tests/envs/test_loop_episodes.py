@@ -11,7 +11,7 @@ from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.control.episodes import stream_episode
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.envs.base import InlineCalculator
-from fnrl.serving.client import StreamChunk
+from fnrl.types import StreamChunk
 from fnrl.trainer.batching import build_batch, make_batch
 from fnrl.types import Group, Problem, Segment, Trajectory
 
@@ -328,7 +328,7 @@ def test_held_out_evaluation_of_a_tool_task_runs_graded_episodes():
     from fnrl.config import EvalConfig, RunConfig, TaskConfig
     from fnrl.control.book import TaskIO
     from fnrl.control.eval_lane import score_heldout
-    from fnrl.serving.client import Completion
+    from fnrl.types import Completion
 
     wrong = Problem(uid="w", prompt="12*35=", answer="420", level=4)
     requests = []
@@ -408,7 +408,7 @@ def test_a_held_out_episode_whose_environment_fails_scores_0_and_is_counted():
     from fnrl.config import EvalConfig, RunConfig, TaskConfig
     from fnrl.control.book import TaskIO
     from fnrl.control.eval_lane import score_heldout
-    from fnrl.serving.client import Completion
+    from fnrl.types import Completion
 
     other = Problem(uid="o", prompt="12*35=", answer="420", level=4)
 
