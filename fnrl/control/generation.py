@@ -26,13 +26,12 @@ from fnrl.config import RunConfig
 from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.episodes import EpisodeOutcome, stream_episode
 from fnrl.control.eval_lane import record_eval, score_heldout
-from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError
+from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError, ToolsHandle
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy.filtering import keep_group
 from fnrl.policy.seeding import request_seed
-from fnrl.sandbox.pool import SandboxPool
 from fnrl.types import Group, Trajectory
 
 PULL_ATTEMPTS = 4
@@ -70,14 +69,18 @@ class RolloutState:
 class Generation:
     def __init__(self, cfg: RunConfig, rollouts: list[RolloutHandle], relays: RelayTierHandle, *,
                  table: TrajectoryTable, pool: PartialResponsePool, journal, task: TaskIO,
-                 book: Book, svc: Services, progress: Progress, writer, log=print):
+                 book: Book, svc: Services, progress: Progress, writer, log=print,
+                 tools: ToolsHandle | None = None):
         self.cfg, self.relays, self.table, self.pool, self.journal = cfg, relays, table, pool, journal
         self.task, self.book, self.svc, self.progress = task, book, svc, progress
         self.writer, self.log = writer, log
         self.rollouts = [RolloutState(h) for h in rollouts]
-        # Multi-turn environments (fnrl.control.episodes): the sandbox that runs their
-        # tools, and each finished episode's reward and tool facts, by trajectory uid.
-        self.tools: SandboxPool | None = None
+        # Multi-turn environments (fnrl.control.episodes): what runs their tools (a role
+        # handle), and each finished episode's reward and tool facts, by trajectory uid.
+        self.tools = tools
+        if self.multi_turn and tools is None:
+            raise ValueError(f"task.env={cfg.task.env!r} is multi-turn: its tool calls need a "
+                             "runner (Roles.tools, e.g. fnrl.sandbox.pool.SandboxPool)")
         self.outcomes: dict[str, EpisodeOutcome] = {}
 
     @property
@@ -87,8 +90,7 @@ class Generation:
     async def start(self) -> None:
         """KV capacities, and one request per server first, so no server's first batch
         (lazy kernel set-up in the engine) lands inside the measured window."""
-        if self.multi_turn and self.tools is None:
-            self.tools = SandboxPool()
+        if self.multi_turn:
             await self.tools.start()
         for r in self.rollouts:
             r.kv_capacity = float(self.cfg.rollout.kv_capacity_tokens
@@ -266,9 +268,8 @@ class Generation:
 
     async def close_tools(self) -> None:
         """Stops the sandbox's workers (multi-turn runs)."""
-        if self.tools is not None:
+        if self.multi_turn:
             await self.tools.close()
-            self.tools = None
 
     def reward(self, ids, gold: str) -> float | None:
         """The verifier's reward of a response's token ids, or None (the trajectory is

@@ -18,14 +18,15 @@ import signal
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from fnrl.envs.base import ToolResult
 from fnrl.types import Completion, NodeLost, RoleError, ServerError, StreamChunk
 
 __all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "EvalServerHandle",
-           "RelayTierHandle",
+           "RelayTierHandle", "ToolsHandle",
            "NodeLost", "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
 
 
@@ -190,6 +191,18 @@ class RelayTierHandle(Protocol):
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None: ...
 
 
+@runtime_checkable
+class ToolsHandle(Protocol):
+    """Runs the tool calls of multi-turn environments (fnrl.sandbox.pool.SandboxPool; in
+    tests, an in-process runner): a ToolRunner (fnrl.envs.base) with a lifetime."""
+
+    async def start(self) -> None: ...
+
+    async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass
 class Roles:
     """Every role of one job, as the loop sees them."""
@@ -200,6 +213,8 @@ class Roles:
     evaluator: EvalServerHandle | None = None
     """The dedicated evaluation server; None: held-out evaluation runs on idle rollouts
     (or is off, `eval.server`)."""
+    tools: ToolsHandle | None = None
+    """What runs a multi-turn environment's tool calls; None for a single-turn task."""
 
     def names(self) -> tuple[str, ...]:
         return ("trainer", *(r.name for r in self.rollouts), *self.relays.names,

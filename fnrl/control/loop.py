@@ -75,7 +75,8 @@ class Controller:
         self.supervisor = Supervisor(cfg.faults, roles, book=self.book, svc=self.svc, run_dir=run_dir)
         self.generation = Generation(cfg, roles.rollouts, roles.relays, table=self.table,
                                      pool=self.pool, journal=self.journal, task=task, book=self.book,
-                                     svc=self.svc, progress=self.supervisor, writer=writer, log=self.log)
+                                     svc=self.svc, progress=self.supervisor, writer=writer, log=self.log,
+                                     tools=roles.tools)
         # The correctness gates (fnrl.policy.gates) judge every returned step.
         self.gating = Gating(cfg, run_dir=run_dir, journal=self.journal, writer=writer,
                              log=self.log, version=trainer_version,

@@ -82,7 +82,14 @@ class ToolRunner(Protocol):
 
 
 class InlineCalculator:
-    """A ToolRunner for the calculator only, evaluated in-process (bounded, pure)."""
+    """A ToolRunner for the calculator only, evaluated in-process (bounded, pure); with
+    nothing to start or close, it also serves as a tools handle (fnrl.control.handles)."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         if name != "calculator" or not isinstance(arguments.get("expression"), str):

@@ -61,6 +61,7 @@ from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resol
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
 from fnrl.policy.faults import check_injections, parse_injection
+from fnrl.sandbox.pool import SandboxPool
 from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
 from fnrl.shell.files import DiskFull, no_space, remove_unfinished_saves
 from fnrl.shell.net import free_port
@@ -142,8 +143,10 @@ async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO
                     for rid in range(cfg.rollout.num_servers)]
         evaluator = (HttpEvalServer(cluster, session, timeout_s=cfg.rollout.request_timeout_s)
                      if cfg.eval.server == "dedicated" else None)
+        # Multi-turn environments run their tools in the sandbox (a role handle too).
+        tools = SandboxPool() if cfg.task.env != "math" else None
         roles = Roles(trainer=trainer, rollouts=rollouts, relays=LocalRelays(cluster),
-                      evaluator=evaluator)
+                      evaluator=evaluator, tools=tools)
         writer = MetricsWriter(run_dir)
         try:
             controller = Controller(cfg, roles, task, run_dir=run_dir, writer=writer,
