@@ -125,12 +125,10 @@ class Journal:
     _f: object = field(init=False, default=None)
 
     def __post_init__(self):
-        # Cut a torn tail before appending: a record written after it would fuse with
-        # the fragment, and the next replay would lose it and everything after.
-        if self.path.exists():
-            with open(self.path, "r+b") as f:
-                f.truncate(framed.read(self.path).good_bytes)
-        self._f = open(self.path, "a", buffering=1)
+        # Damage refuses (DamagedRecord); a torn tail is cut before appending
+        # (framed.append): a record written after it would fuse with the fragment.
+        framed.read(self.path)
+        self._f = framed.append(self.path)
 
     def write(self, ev: str, **fields) -> None:
         self._f.write(framed.frame({"ev": ev, **fields}))

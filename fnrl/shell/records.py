@@ -61,9 +61,8 @@ def frame(record: dict) -> str:
 
 
 def _parse(line: bytes) -> tuple[dict | None, str]:
-    """(the record, "") or (None, why it is not one)."""
-    if not line.endswith(b"\n"):
-        return None, "no end of line"
+    """(the record, "") or (None, why it is not one), for a whole line (its end of line
+    included)."""
     text = line[:-1]
     if len(text) > 9 and text[8:9] == b" " and not text.startswith(b"{"):
         body = text[9:]
@@ -84,40 +83,34 @@ def _parse(line: bytes) -> tuple[dict | None, str]:
     return record, ""
 
 
+def _scan(path: Path) -> tuple[list[tuple[int, dict | None, str]], int, int]:
+    """(offset, record or None, why) of every whole line of `path`, the length of those
+    lines, and the length of the torn tail: a last line with no end of line, all a crash
+    can leave (zeros of a power loss included). A whole line that fails its check was
+    damaged, even the last: a flipped end of line fuses two records into one bad line,
+    and taking that for a torn tail would drop both."""
+    lines, offset = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):   # only the last line can lack one
+                return lines, offset, len(line)
+            lines.append((offset, *_parse(line)))
+            offset += len(line)
+    return lines, offset, 0
+
+
 def read(path: Path) -> Read:
     """Every record of `path` ([] if it does not exist). A last line cut short (no end of
     line) is a torn tail: dropped. Any other bad record raises `DamagedRecord`."""
     path = Path(path)
     if not path.exists():
         return Read([], [], 0)
-    records, offsets = [], []
-    offset = 0
-    bad: tuple[int, int, str] | None = None   # (offset, index, reason) of the first bad line
-    valid_after = 0
-    with open(path, "rb") as f:
-        for line in f:
-            record, why = _parse(line)
-            if record is None and bad is None:
-                bad = (offset, len(records), why)
-            elif record is not None and bad is not None:
-                valid_after += 1
-            elif record is not None:
-                records.append(record)
-                offsets.append(offset)
-            offset += len(line)
-    # A crash cuts only the last record short: one line, with no end of line. A bad line
-    # that ends (or any bad line with more after it) was damaged: a flipped end of line
-    # fuses two records into one bad line, and taking that for a torn tail would drop both.
-    if bad is not None and (valid_after or b"\n" in _tail_from(path, bad[0])):
-        raise DamagedRecord(path, bad[0], bad[1], bad[2], valid_after)
-    good = bad[0] if bad is not None else offset
-    return Read(records, offsets, good, offset - good)
-
-
-def _tail_from(path: Path, offset: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read()
+    lines, good, torn = _scan(path)
+    for index, (offset, record, why) in enumerate(lines):
+        if record is None:
+            valid_after = sum(r is not None for _, r, _ in lines[index + 1:])
+            raise DamagedRecord(path, offset, index, why, valid_after)
+    return Read([r for _, r, _ in lines], [at for at, _, _ in lines], good, torn)
 
 
 def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
@@ -127,19 +120,9 @@ def read_skipping(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
     path = Path(path)
     if not path.exists():
         return [], []
-    records, bad = [], []
-    offset, line = 0, b""
-    with open(path, "rb") as f:
-        for line in f:
-            record, why = _parse(line)
-            if record is None:
-                bad.append((offset, why))
-            else:
-                records.append(record)
-            offset += len(line)
-    if bad and not line.endswith(b"\n") and bad[-1][0] == offset - len(line):
-        bad.pop()   # the last line cut short: the torn tail a crash leaves
-    return records, bad
+    lines, _, _ = _scan(path)
+    return ([r for _, r, _ in lines if r is not None],
+            [(at, why) for at, r, why in lines if r is None])
 
 
 def append(path: Path):
