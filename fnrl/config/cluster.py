@@ -50,11 +50,6 @@ class ClusterConfig:
     owner-only (0700, 0600), like the run's shared-memory segments: checkpoints, batches
     and trajectories are the run's data, and other users of the host need none of it."""
 
-    @property
-    def file_mask(self) -> int:
-        """The umask every process of the run writes under (fnrl.shell.files.run_umask)."""
-        return 0o027 if self.share_run_dir else 0o077
-
     backend: str = "local"
     """Where roles run: "local" (child processes of the controller on this host; needs no
     Ray) or "ray" (an existing Ray cluster places them on its nodes: fnrl.control.ray_cluster,
@@ -66,6 +61,12 @@ class ClusterConfig:
     node_label: str = "fnrl-node"
     """The Ray node label that names a node (`ray start --labels fnrl-node=a`); a node
     without it is named by the first 8 characters of its node id."""
+
+    @property
+    def file_mask(self) -> int:
+        """The umask every process of the run writes under (set by
+        fnrl.experiments.math_grpo.run, and by each Ray node's host actor)."""
+        return 0o027 if self.share_run_dir else 0o077
 
     def __post_init__(self):
         check(is_host(self.bind_host), "ClusterConfig", "bind_host", self.bind_host,

@@ -138,7 +138,7 @@ class Controller:
         except Exception as err:
             if not no_space(err):
                 raise
-            raise self.attempts.stop_on_full_disk(err, self.svc.clock.epoch(), self.run_dir,
+            raise self.attempts.stop_on_full_disk(err, self.svc.clock.epoch(),
                                                   **self._progress(self.svc.now())) from None
         finally:
             for t in self.svc.tasks:

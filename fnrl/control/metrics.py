@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from fnrl.shell.files import no_space
 from fnrl.shell.records import append, read_skipping
 
 
@@ -54,8 +55,9 @@ class MetricsWriter:
         for closing in (self._jsonl.close, self._tb.close):
             try:
                 closing()
-            except OSError:
-                pass   # a full disk: what was written is kept, the stop goes on
+            except OSError as err:   # a full disk: what was written is kept, the stop goes on
+                if not no_space(err):
+                    raise
 
 
 def _jsonable(x: Any) -> Any:

@@ -118,12 +118,10 @@ class Attempts:
         self._f.write(frame({"attempt": self.attempt, "event": event, "epoch": epoch,
                              **fields}))
 
-    def stop_on_full_disk(self, err: BaseException, epoch: float, where: Path,
-                          **progress) -> DiskFull:
+    def stop_on_full_disk(self, err: BaseException, epoch: float, **progress) -> DiskFull:
         """The attempt's end after a write found the disk full: its free bytes read now,
         the reserve given back, an end record of its own (not a killed attempt)."""
-        self.disk_full = err if isinstance(err, DiskFull) else DiskFull(
-            "the controller wrote its logs", where, err)
+        self.disk_full = DiskFull.of(err, "the controller wrote its logs", self.path.parent)
         self.reserve.release()
         self.write("end", epoch, disk_full=str(self.disk_full), **progress)
         return self.disk_full

@@ -292,7 +292,7 @@ def _run(cfg: RunConfig) -> dict:
         except Exception as err:   # a full disk: every role is stopped, the stop reported
             if not no_space(err):
                 raise
-            full = err if isinstance(err, DiskFull) else DiskFull("the job wrote", run_dir, err)
+            full = DiskFull.of(err, "the job wrote", run_dir)
             # The trainer was stopped mid-save, maybe: its temporary directory goes too.
             summary = {"disk_full": str(full), "disk_free_bytes": full.free_bytes,
                        "removed_unfinished_saves": remove_unfinished_saves(

@@ -61,8 +61,6 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-
-
 class LazyTensors(Mapping):
     """A checkpoint's tensors by name, each read from its file when looked up (numpy
     arrays, or torch tensors with framework="pt")."""

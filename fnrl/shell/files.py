@@ -89,6 +89,11 @@ class DiskFull(Exception):
         super().__init__(f"no space left on the device of {self.path} while {where} "
                          f"({said}{f'; {err}' if err else ''})")
 
+    @classmethod
+    def of(cls, err: BaseException, where: str, path: str | os.PathLike) -> DiskFull:
+        """`err` itself if it is one already, else the fault it means (`no_space(err)`)."""
+        return err if isinstance(err, cls) else cls(where, path, err)
+
 
 class SpaceReserve:
     """A few MiB set aside in the run directory at start and given back when the disk
