@@ -142,20 +142,25 @@ def test_a_trainer_dead_after_its_checkpoint_is_not_trained_twice(tmp_path):
     check_consumed(tmp_path, cfg.coord.eta, STEPS * GROUPS)
 
 
+def relay1_dies(relays, clock, *, at_version: int, cause: str, seen_after_s: float):
+    """A trainer during whose step `at_version` relay1 dies (once); the tier reports the
+    repair `seen_after_s` after the failure."""
+    class Trainer(FakeTrainer):
+        async def train(self, arrays):
+            if self.version == at_version and not relays.repairs:
+                relays.kill("relay1")
+                relays.repairs.append(RelayEvent("relay1", cause, clock.epoch() - seen_after_s,
+                                                 clock.epoch(), "relay0"))
+            return await super().train(arrays)
+    return Trainer(relays)
+
+
 def test_a_hung_relay_spliced_out_is_down_until_the_end_and_counted_a_failure(tmp_path):
     cfg = make_cfg("fnrl")
     clock = VirtualClock()
     relays = FakeRelays(names=("relay0", "relay1"))
 
-    class SplicingTrainer(FakeTrainer):
-        async def train(self, arrays):
-            if self.version == 2 and "relay1" not in relays.dead:
-                relays.kill("relay1")
-                relays.repairs.append(RelayEvent("relay1", "hung", clock.epoch() - 1.5,
-                                                 clock.epoch(), "relay0"))
-            return await super().train(arrays)
-
-    trainer = SplicingTrainer(relays)
+    trainer = relay1_dies(relays, clock, at_version=2, cause="hung", seen_after_s=1.5)
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, clock=clock)
     (repair,) = [f for f in read_jsonl(tmp_path / "faults.jsonl") if f["event"] == "chain_repaired"]
     assert repair["role"] == "relay1" and repair["repair_s"] == pytest.approx(1.5)
@@ -177,15 +182,8 @@ def test_an_exited_relay_is_replaced_and_its_recovery_recorded(tmp_path):
     clock = VirtualClock()
     relays = FakeRelays(names=("relay0", "relay1"))
 
-    class KillingTrainer(FakeTrainer):
-        async def train(self, arrays):
-            if self.version == 2 and not relays.repairs:
-                relays.kill("relay1")
-                relays.repairs.append(RelayEvent("relay1", "exited", clock.epoch() - 1.5,
-                                                 clock.epoch(), "relay0"))
-            return await super().train(arrays)
-
-    ctl, summary = run(cfg, make_roles(KillingTrainer(relays), relays), tmp_path, clock=clock)
+    trainer = relay1_dies(relays, clock, at_version=2, cause="exited", seen_after_s=1.5)
+    ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, clock=clock)
     assert relays.replaced == ["relay1"] and not relays.dead
     faults = read_jsonl(tmp_path / "faults.jsonl")
     (recovered,) = [f for f in faults if f["event"] == "recovered"]
@@ -217,15 +215,8 @@ def test_a_failed_relay_replacement_is_retried_with_backoff_and_counted(tmp_path
 
     relays.replace = flaky_replace
 
-    class KillingTrainer(FakeTrainer):
-        async def train(self, arrays):
-            if self.version == 1 and not relays.repairs:
-                relays.kill("relay1")
-                relays.repairs.append(RelayEvent("relay1", "exited", clock.epoch() - 0.5,
-                                                 clock.epoch(), "relay0"))
-            return await super().train(arrays)
-
-    ctl, summary = run(cfg, make_roles(KillingTrainer(relays), relays), tmp_path, clock=clock)
+    trainer = relay1_dies(relays, clock, at_version=1, cause="exited", seen_after_s=0.5)
+    ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, clock=clock)
     faults = read_jsonl(tmp_path / "faults.jsonl")
     failed = [f for f in faults if f["event"] == "restart_failed"]
     recovered = [f for f in faults if f["event"] == "recovered"]
