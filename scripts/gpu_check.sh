@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU lane in one lease: the `gpu` tests, then benchmarks/train_step.py, one report.
+# The GPU lane in one lease: the `gpu` tests, then lab/benchmarks/train_step.py, one report.
 #
 #   PYTHON=python scripts/gpu_check.sh [OUT_DIR]      # on the lent GPU machine (< 8 min)
 #   PYTHON=.venv/bin/python FNRL_GPU_CHECK_QUICK=1 scripts/gpu_check.sh /tmp/out   # CPU, CI
@@ -59,7 +59,9 @@ elif [ "${#test_files[@]}" -eq 0 ]; then
   echo "no test file carries the gpu marker" > "$LOGS/pytest.log"
   tests_rc=5
 else
-  FNRL_GPU_LANE=1 "$PYTHON" -m pytest -m gpu -x -q -p no:cacheprovider "${test_files[@]}" \
+  # -o addopts: one process (one JAX per device) and no xdist, which the image may lack.
+  FNRL_GPU_LANE=1 "$PYTHON" -m pytest -o addopts="-ra" -m gpu -x -q -p no:cacheprovider \
+    "${test_files[@]}" \
     > "$LOGS/pytest.log" 2>&1 || tests_rc=$?
 fi
 timings+=("tests=$((SECONDS - t0))")
@@ -82,7 +84,7 @@ bench_results=()
 for preset in "${presets[@]}"; do
   t0=$SECONDS
   rc=0
-  "$PYTHON" benchmarks/train_step.py --preset "$preset" --platform "$bench_platform" \
+  "$PYTHON" lab/benchmarks/train_step.py --preset "$preset" --platform "$bench_platform" \
     --schedule turns "${bench_args[@]}" --json "$LOGS/bench_$preset.json" \
     > "$LOGS/bench_$preset.log" 2>&1 || rc=$?
   timings+=("$preset=$((SECONDS - t0))")

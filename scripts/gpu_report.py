@@ -4,7 +4,7 @@
         --tests-rc 0 --tests-log OUT_DIR/logs/pytest.log \
         --bench qwen0.5b=0 qwen1.5b=0 --timings tests=50 qwen0.5b=61 total=300
 
-Reads each benchmark's JSON (OUT_DIR/logs/bench_<preset>.json, benchmarks/train_step.py
+Reads each benchmark's JSON (OUT_DIR/logs/bench_<preset>.json, lab/benchmarks/train_step.py
 --json), writes OUT_DIR/gpu_check.md and OUT_DIR/gpu_check.json, prints the markdown and
 exits non-zero on an error: a test failed or could not run, a benchmark crashed or wrote
 nothing, or a side failed other than by running out of memory (a timeout included).
@@ -12,7 +12,7 @@ Out of memory and missed targets are results, reported with exit 0.
 
 Targets (the issue's, on a GPU only): Qwen2.5-0.5B at 8 × 1,024 at least 1.3× PyTorch's
 tokens per second; -1.5B at 8 × 2,048 fits and at least 1.2×; -3B at 8 × 2,048 at 40 %
-MFU (PaLM's FLOP count, see benchmarks/train_step.py), its peak memory beside the plan.
+MFU (PaLM's FLOP count, see lab/benchmarks/train_step.py), its peak memory beside the plan.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def render(report: dict) -> str:
              "", "## Tests (`pytest -m gpu`, FNRL_GPU_LANE=1)", "",
              f"exit {r['tests']['rc']}: `{r['tests']['last_line']}`"]
     lines += [f"- {x}" for x in r["tests"]["failed"]]
-    lines += ["", "## Benchmark (benchmarks/train_step.py, each side alone on the device)", "",
+    lines += ["", "## Benchmark (lab/benchmarks/train_step.py, each side alone on the device)", "",
               "| preset | shape | side | ms/step | tokens/s | MFU % | peak GB | "
               "plan GB (XLA / fnrl) | kernels |", "|---|---|---|---|---|---|---|---|---|"]
     for preset, bench in r["benchmarks"].items():

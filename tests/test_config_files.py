@@ -10,7 +10,7 @@ from fnrl.config import (AlgoConfig, CoordinatorConfig, RoutingConfig, RunConfig
                          TrainerConfig, save_json, to_dict)
 from fnrl.config.files import nest, overlay, read_config_file
 from fnrl.experiments.math_grpo import parse_config
-from fnrl.experiments.presets import apply_preset
+from fnrl.config.presets import apply_preset
 
 
 def odd_config() -> RunConfig:

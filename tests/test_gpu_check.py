@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import assert_close, tol
+from tests.tolerances import assert_close, tol
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.attention import attend

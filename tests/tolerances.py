@@ -1,6 +1,6 @@
 """Platform-aware tolerances for tests that compare two numerical paths (the GPU lane).
 
-    from tolerances import assert_close, tol
+    from tests.tolerances import assert_close, tol
     assert_close(got, want, "bfloat16")               # relative to each element and the max
     np.testing.assert_allclose(got, want, **tol("float32"))
 

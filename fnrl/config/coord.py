@@ -134,7 +134,7 @@ class BalanceConfig:
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorConfig:
     """The rollout coordinator (fnrl.policy.cycle): staleness bound, routing, sync,
-    migration, repack, balancing. Presets (fnrl.experiments.presets) set these."""
+    migration, repack, balancing. Presets (fnrl.config.presets) set these."""
 
     eta: int = 1
     """Staleness bound η: every trained token satisfies V_token + η ≥ V_trainer."""

@@ -380,7 +380,7 @@ class RolloutConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """The whole job. `preset` names the ablation preset the other fields started from
-    (fnrl.experiments.presets); the command line overrides any of them."""
+    (fnrl.config.presets); the command line overrides any of them."""
 
     preset: str = ""
     steps: int = 40

@@ -47,7 +47,7 @@ from fnrl.trainer.memory import (adapter_param_count, adapted_param_count, param
 GIB = 2**30
 CONTROLLER_BYTES = 3 * 2**28
 """The controller process (Python, JAX's import, the tokenizer, the trajectory table):
-0.75 GiB. Measured (benchmarks/lora.py, default model, 12 steps): peak RSS 0.66 and 0.67
+0.75 GiB. Measured (lab/benchmarks/lora.py, default model, 12 steps): peak RSS 0.66 and 0.67
 GiB (0.37 private); issue 34's runs of Llama-3- and Qwen3-style models measured 0.63-0.67
 against the 0.5 GiB planned before."""
 RELAY_PROCESS_BYTES = 2**28

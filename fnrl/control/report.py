@@ -177,7 +177,7 @@ def across_attempts(run_dir: Path) -> dict:
 
     The held-out evaluation an attempt runs before its loop starts is left out of its gap
     and of the wall time: a role restart never pays it, so charging it to a job restart
-    alone would compare restart kinds unequally (benchmarks/ettr.py)."""
+    alone would compare restart kinds unequally (lab/benchmarks/ettr.py)."""
     records = read_jsonl(run_dir / "attempts.jsonl")
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     starts = {r["attempt"]: r["epoch"] for r in records if r["event"] == "start"}

@@ -9,7 +9,7 @@
     python -m fnrl.experiments.math_grpo --help
 
 `--preset NAME` (sync, one_step, partial_rollout, laminar, staleflow, fnrl; see
-fnrl.experiments.presets) sets the coordinator; any other flag overrides it.
+fnrl.config.presets) sets the coordinator; any other flag overrides it.
 
 Starts vLLM servers, a relay tier (`--relay.num-relays`, one relay per simulated host:
 the trainer hands each version to the master, which broadcasts it down the chain, and
@@ -56,7 +56,7 @@ from fnrl.data.dataset import check_synthetic_prompts, load_task
 from fnrl.data.reward import make_reward
 from fnrl.data.tokenizer import ChatTokenizer
 from fnrl.data.tool_arith import ToolPromptStream, tool_eval_problems
-from fnrl.experiments.presets import DEFAULT_PRESET, apply_preset
+from fnrl.config.presets import DEFAULT_PRESET, apply_preset
 from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config

@@ -73,7 +73,7 @@ class ProfileArgs:
     the same lengths, fresh prompts each); each server's time is one measurement, and the
     file records the count (engine.servers). 1 times one engine on a quiet host. N > 1
     times one server while N generate, as a job with N servers on this host runs them: on
-    a shared CPU host they slow each other (benchmarks/corun.py measures how much), and
+    a shared CPU host they slow each other (lab/benchmarks/corun.py measures how much), and
     on one with a device each they do not."""
     batches_from: tuple[str, ...] = ()
     """Run directories of the main job: measure the batches they trained (their

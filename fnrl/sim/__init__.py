@@ -5,7 +5,7 @@
 What is real and what is simulated. Every decision is the real job's: each cycle calls
 `fnrl.policy.schedule.reconcile` and `.decide` on a `ClusterSnapshot` (so StaleFlow's
 staleness buffers, routing, lazy sync and migration, Laminar's repack, OrchestrRL's
-balancer and the sampler run unchanged, configured by `fnrl.experiments.presets`), and
+balancer and the sampler run unchanged, configured by `fnrl.config.presets`), and
 the per-step records are `fnrl.control.report.step_record`'s with the loop's own `Book`.
 What is simulated is what the decisions act on: rollout engines (continuous batching
 over StaleFlow's decode cost model, KV capacity, preemption, prefill; fnrl.sim.engine),

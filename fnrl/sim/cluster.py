@@ -6,7 +6,7 @@ StaleFlow cycle under every preset, with repack, balancing and the sampler), the
 on each command in order. Acting changes the bookkeeping at once, as the real `act`
 does; the work it starts (decoding, a pull, a train step) lands later as events on the
 heap. Nothing about the policies is reimplemented here: the presets are
-`fnrl.experiments.presets`, and the metrics are `fnrl.control.report`'s.
+`fnrl.config.presets`, and the metrics are `fnrl.control.report`'s.
 """
 
 from __future__ import annotations

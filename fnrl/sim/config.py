@@ -102,7 +102,7 @@ class ClusterSpec:
     than cores each gets cores / threads of one (a decode step is costed on a core of
     its own, train_step_s as the step runs alone). 0: each role has its own devices."""
     corun: str = ""
-    """With shared_cores: a co-run table (benchmarks/corun.py's JSON, fnrl.sim.costs.
+    """With shared_cores: a co-run table (lab/benchmarks/corun.py's JSON, fnrl.sim.costs.
     load_corun) in place of the thread-by-thread share: the train step's steady work is
     slowed by the factor measured beside that many generating rollouts, and a rollout's
     decode by the one measured with that many generating, the trainer stepping or not
@@ -111,7 +111,7 @@ class ClusterSpec:
     """With shared_cores (thread by thread, no co-run table): the cores that processes
     the simulator does not run take while any rollout generates, counted as that many
     more threads (this machine's loop streams every token, and its evaluation server
-    shares the host: benchmarks/role_cpu.py measures both)."""
+    shares the host: lab/benchmarks/role_cpu.py measures both)."""
     trainer_threads: int = 1
     """With shared_cores: the threads the trainer's step runs on (fnrl's trainer takes
     every allowed CPU by default, `trainer.cpu_threads = 0`: 2 on this machine); the
@@ -168,7 +168,7 @@ class SimConfig:
     """python -m fnrl.sim --preset fnrl --gpus 1024 --steps 100 ..."""
 
     preset: str = "fnrl"
-    """A preset of fnrl.experiments.presets: the same coordinator the real job runs."""
+    """A preset of fnrl.config.presets: the same coordinator the real job runs."""
     gpus: int = 64
     steps: int = 20
     warmup_steps: int = 0

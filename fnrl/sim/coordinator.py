@@ -1,5 +1,5 @@
 """The preset's coordinator as the simulator runs it: the real job's preset
-(fnrl.experiments.presets) with the cost model `SimConfig.coord_cost` names, and the
+(fnrl.config.presets) with the cost model `SimConfig.coord_cost` names, and the
 mechanisms a `SimConfig` switches off (`ablate`) or on (`enable`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from fnrl.config import CostModel
-from fnrl.experiments.presets import apply_preset
+from fnrl.config.presets import apply_preset
 from fnrl.policy import schedule
 from fnrl.sim import costs
 from fnrl.sim.config import SimConfig

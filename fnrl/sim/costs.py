@@ -180,7 +180,7 @@ def load_profiled(path: str | Path) -> DecodeCosts:
 @dataclass(frozen=True, kw_only=True)
 class Corun:
     """How much the roles of one shared CPU host slow each other, measured together
-    (benchmarks/corun.py): `trainer[k]`, the trainer's steady step beside k generating
+    (lab/benchmarks/corun.py): `trainer[k]`, the trainer's steady step beside k generating
     servers over its time alone; `server[(k, trainer)]`, a server's decode with k servers
     generating (itself included), the trainer stepping or not, over one server alone."""
 
@@ -196,7 +196,7 @@ class Corun:
 
 
 def load_corun(path: str | Path) -> Corun:
-    """The JSON `benchmarks/corun.py --out PATH` writes."""
+    """The JSON `lab/benchmarks/corun.py --out PATH` writes."""
     data = json.loads(Path(path).read_text())
     try:
         trainer = {int(k): float(v["slowdown"]) for k, v in data["trainer_slowdown"].items()}
@@ -205,7 +205,7 @@ def load_corun(path: str | Path) -> Corun:
             k, _, with_trainer = key.partition("+")
             server[(int(k), bool(with_trainer))] = float(v["slowdown"])
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"co-run file {str(path)!r}: not benchmarks/corun.py's table "
+        raise ValueError(f"co-run file {str(path)!r}: not lab/benchmarks/corun.py's table "
                          f"({err!r})") from None
     counts = sorted({k for k, _ in server})
     missing = [key for key in ((k, t) for k in counts for t in (False, True)) if key not in server]

@@ -36,7 +36,7 @@ compute alike (its temporaries, 7.9 GB, are the update phase's four parameter-si
 arrays); the process's measured peak (compile included) 16.6 GB for both. At the
 real run's shape (4 x 1,152 tokens, bfloat16 parameters and compute, log-prob chunks of
 512): XLA's plan 6.92 GB, the process's peak over two steps 9.71 GB, this plan's step
-9.97 GB. The trainer role of that run (benchmarks/real_model.py: step, Orbax save every
+9.97 GB. The trainer role of that run (lab/benchmarks/real_model.py: step, Orbax save every
 version, weights converted and handed to the relay) peaked at 12.89 GiB RSS, 0.92 GiB of
 it the relay's inbox slot mapped in (shared memory the relay's plan holds): step peak +
 save, where a plan of step peak or save alone would say 9.3 GiB (this plan: 13.15).

@@ -6,7 +6,7 @@
 Run one configuration per process: the peak (the kernel's VmHWM) is the process's.
 It is reset after the state is built, so `step_peak_bytes` is what the steps add on
 top of the state and runtime, and `peak_bytes` the process's whole peak.
-benchmarks/train_step.py imports `measure_train_step` for its memory column.
+lab/benchmarks/train_step.py imports `measure_train_step` for its memory column.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _remat(tc: TrainerConfig, platform: str, device_bytes: int | None,
             return remat, (f"{platform}: plan {peak / 2**30:.1f} GiB against "
                            f"{budget / 2**30:.1f} GiB of the card")
     # Not refused: the plan's figures are estimates, and XLA's own plan of the compiled
-    # step (benchmarks/train_step.py prints it) may fit where this one does not.
+    # step (lab/benchmarks/train_step.py prints it) may fit where this one does not.
     return "full", (f"{platform}: plan {peak / 2**30:.1f} GiB even with full remat, above "
                     f"{budget / 2**30:.1f} GiB of the card: may not fit (micro-batches, "
                     "shorter rows or FSDP over more devices would)")

@@ -22,7 +22,7 @@ threads is to pin it to N CPUs before its first JAX computation.
 Why it matters on a shared host: a parallel op finishes only when its last thread
 does, so when other jobs (vLLM servers, relays) hold the cores, a pool with more
 threads than the process can get waits on descheduled threads. Measured on the
-2-core dev machine at load 6-9 (benchmarks/train_step.py's cpu preset): fnrl's step
+2-core dev machine at load 6-9 (lab/benchmarks/train_step.py's cpu preset): fnrl's step
 took 0.86-1.2 s with one thread and 0.86-3.8 s with two; torch's with two OpenMP
 threads took 3.6-8.8 s against 0.56-1.2 s with one.
 """

@@ -11,8 +11,8 @@ import pytest
 from fnrl.policy.seeding import request_seed
 from fnrl.control.journal import records as journal_records
 
-from fakes import FakeRollout
-from test_loop import make_cfg, make_roles, run
+from tests.control.fakes import FakeRollout
+from tests.control.test_loop import make_cfg, make_roles, run
 
 
 class SeedRecorder(FakeRollout):

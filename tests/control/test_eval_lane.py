@@ -18,9 +18,9 @@ from fnrl.control.memory import plan_memory
 from fnrl.control.metrics import read_jsonl
 from fnrl.types import Completion
 
-from fakes import EOS, FakeRelays, FakeRollout, FakeTrainer
-from test_loop import STEPS, make_cfg, run
-from test_memory_plan import TINY, _cfg
+from tests.control.fakes import EOS, FakeRelays, FakeRollout, FakeTrainer
+from tests.control.test_loop import STEPS, make_cfg, run
+from tests.control.test_memory_plan import TINY, _cfg
 
 
 class FakeEvalServer:

@@ -17,11 +17,11 @@ from fnrl.control.metrics import MetricsWriter, plot_run
 from fnrl.control.metrics import read_jsonl
 from fnrl.control.report import across_attempts
 from fnrl.control.supervisor import RELAY_BACKOFF_S, JobRestart
-from fnrl.experiments.presets import apply_preset
+from fnrl.config.presets import apply_preset
 from fnrl.control.journal import records as journal_records
 from fnrl.shell.files import DiskFull, SpaceReserve
 
-from fakes import FakeRelays, FakeRollout, FakeTrainer, VirtualClock, fake_task
+from tests.control.fakes import FakeRelays, FakeRollout, FakeTrainer, VirtualClock, fake_task
 
 STEPS, GROUPS, G = 6, 2, 4
 

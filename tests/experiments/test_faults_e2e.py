@@ -19,8 +19,8 @@ from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.experiments.math_grpo import main
 from fnrl.control.journal import records as journal_records
 
-from e2e_args import SMALL
-from test_presets_e2e import pool_records
+from tests.experiments.e2e_args import SMALL
+from tests.experiments.test_presets_e2e import pool_records
 
 pytestmark = pytest.mark.slow
 

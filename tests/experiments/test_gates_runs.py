@@ -11,7 +11,7 @@ from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 from fnrl.control.journal import records as journal_records
 
-from e2e_args import SMALL
+from tests.experiments.e2e_args import SMALL
 
 pytestmark = pytest.mark.slow
 

@@ -1,13 +1,11 @@
 """The profiling command on a real vLLM server: a short profile, its fit and held-out
 figures written and consistent, and its file loaded by the main job. How well the fit
-predicts is a timing claim: benchmarks/profile_cost.py measures it."""
+predicts is a timing claim: lab/benchmarks/profile_cost.py measures it."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ import pytest
 from fnrl.config import CoordinatorConfig, RunConfig
 from fnrl.experiments.profile_cost import ProfileArgs, load_cost_model, main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from profile_cost import heldout_quality  # noqa: E402
+from lab.benchmarks.profile_cost import heldout_quality
 
 pytestmark = pytest.mark.slow
 

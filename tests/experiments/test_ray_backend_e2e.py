@@ -12,8 +12,8 @@ import pytest
 
 from fnrl.control.metrics import read_jsonl
 
-from e2e_args import SMALL
-from test_faults_e2e import assert_nothing_lost
+from tests.experiments.e2e_args import SMALL
+from tests.experiments.test_faults_e2e import assert_nothing_lost
 
 pytestmark = pytest.mark.slow
 

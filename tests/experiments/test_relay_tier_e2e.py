@@ -12,7 +12,7 @@ import pytest
 from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 
-from e2e_args import SMALL
+from tests.experiments.e2e_args import SMALL
 
 pytestmark = pytest.mark.slow
 

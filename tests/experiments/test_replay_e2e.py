@@ -16,7 +16,7 @@ from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 from fnrl.experiments.replay import compare_runs
 
-from e2e_args import SMALL
+from tests.experiments.e2e_args import SMALL
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from fnrl.control.metrics import read_jsonl
 from fnrl.experiments.math_grpo import main
 from fnrl.shell.procs import exited
 
-from e2e_args import SMALL
-from test_faults_e2e import assert_nothing_lost
+from tests.experiments.e2e_args import SMALL
+from tests.experiments.test_faults_e2e import assert_nothing_lost
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 from fnrl.models.attention import check_segment_count, segment_runs
 from fnrl.models.decoder import DecoderConfig, Kernels, forward, init_model
 from fnrl.models.synthetic import SMALL_SHAPES, random_params
-from tolerances import assert_close
+from tests.tolerances import assert_close
 
 VOCAB = 97
 LENGTHS = ((9, 5, 11), (7, 14))   # sequences packed per row, then padding to T

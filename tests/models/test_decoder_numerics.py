@@ -8,7 +8,7 @@ import pytest
 from fnrl.models.decoder import (DecoderConfig, forward, hidden_states, init_model,
                                  vocab_kernel_VxE)
 from fnrl.models.synthetic import SMALL_SHAPES, random_params
-from tolerances import assert_close
+from tests.tolerances import assert_close
 
 VOCAB = 211
 

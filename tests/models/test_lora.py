@@ -12,7 +12,7 @@ from fnrl.models.lora import (SCALING_TENSOR, delta_change_norm, init_adapters, 
                               peft_tensors, split_adapters)
 from fnrl.models.hf_io import params_to_hf
 from fnrl.models.synthetic import SMALL_SHAPES, random_params
-from tolerances import assert_close
+from tests.tolerances import assert_close
 
 VOCAB = 97
 LORA = LoraConfig(rank=4, alpha=8.0)

@@ -9,9 +9,6 @@ Properties (checked by FakeCluster on every command and after every event):
 - after the random part, the job keeps training (no deadlock).
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 from hypothesis import example, given, settings, strategies as hst
 
@@ -20,8 +17,7 @@ from fnrl.policy import staleness as st
 from fnrl.policy.cycle import CycleConfig, decide_cycle, decide_cycle_traced, init_cycle_state
 from fnrl.types import Consume, FillPrompts, Interrupt, Pull, Route
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_cluster import FakeCluster  # noqa: E402
+from tests.policy.fake_cluster import FakeCluster
 
 # Memory-bound-ish engine in token units, so routing takes a few trajectories per rollout.
 COST = CostModel(k1=1e-3, k2=1e-2, k3=1e-3, k4=1e-2)

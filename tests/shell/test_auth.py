@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from raw_zmq import raw_call
+from tests.shell.raw_zmq import raw_call
 
 from fnrl.shell import auth, wire
 from fnrl.shell.net import free_port

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raw_zmq import raw_call
+from tests.shell.raw_zmq import raw_call
 
 from fnrl.config import RelayConfig
 from fnrl.relay import store

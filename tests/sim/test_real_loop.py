@@ -16,13 +16,13 @@ from fnrl.control.handles import Roles
 from fnrl.control.loop import Controller
 from fnrl.control.metrics import MetricsWriter
 from fnrl.data.arith import PromptStream, eval_problems
-from fnrl.experiments.presets import apply_preset
+from fnrl.config.presets import apply_preset
 from fnrl.policy import schedule
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.costs import DecodeCosts
 from fnrl.sim.handles import LoopClock, SimRelays, SimRollout, SimTrainer, run_virtual
 
-from toy import TOY, toy_cfg
+from tests.sim.toy import TOY, toy_cfg
 
 DECODE = DecodeCosts(cost=CostModel(k1=0.0, k2=0.0, k3=0.0, k4=1.0), prefill_s_per_token=0.1)
 TRAIN_S, PUBLISH_S, PULL_S = 0.2, 1.0, 0.5

@@ -13,7 +13,7 @@ from fnrl.sim.cluster import Simulation
 from fnrl.sim.config import ClusterSpec, SimConfig
 from fnrl.sim.engine import GONE, Instance, Trajectories
 from fnrl.sim.layout import layout
-from fnrl.sim.repro.orchestrrl import workload
+from lab.repro.orchestrrl import workload
 from fnrl.types import Reconfigure
 
 # tests/policy/test_orchestr.py's pair: TP2 for the bulk, TP8 for the tail.

@@ -18,7 +18,7 @@ from fnrl.sim.engine import Instance, Trajectories
 from fnrl.sim.report import simulate
 from fnrl.sim.workload import WorkloadSpec, group_lengths
 
-from toy import TOY, toy_cfg
+from tests.sim.toy import TOY, toy_cfg
 
 def test_tiny_cluster_schedule_by_hand():
     """1 rollout, 1 trainer, 2 groups of 2 per step, responses of 3 tokens, η = 0.

@@ -9,7 +9,7 @@ import pytest
 from fnrl.sim.cluster import Simulation
 from fnrl.sim.workload import WorkloadSpec, tool_latency, turn_ends
 
-from toy import TOY, toy_cfg
+from tests.sim.toy import TOY, toy_cfg
 
 
 def tool_cfg(*, hold: bool):

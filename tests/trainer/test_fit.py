@@ -72,7 +72,7 @@ def test_the_trainer_role_fits_an_automatic_remat_to_its_device(tmp_path, tiny_m
     """The role's accelerator path, run on CPU with a pretended device limit below every
     policy's compiled plan: it ends at full remat, says why, and still trains."""
     from fnrl.trainer.role import Trainer
-    from toy_batch import toy_batch
+    from tests.trainer.toy_batch import toy_batch
 
     resolve = Trainer._resolve
 

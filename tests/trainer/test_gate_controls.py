@@ -12,7 +12,7 @@ from fnrl.config import RunConfig, TrainerConfig
 from fnrl.trainer.controls import pack_controls, split_controls
 from fnrl.trainer.role import Trainer, corrupt_weights
 
-from toy_batch import toy_batch
+from tests.trainer.toy_batch import toy_batch
 
 
 def _host(params) -> list[bytes]:

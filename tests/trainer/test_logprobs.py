@@ -20,8 +20,8 @@ from fnrl.sharding.mesh import make_mesh
 from fnrl.trainer.logprobs import logprobs_from_hidden, model_logprobs, positions_per_chunk
 from fnrl.trainer.step import init_state, sft_step, train_step
 
-from test_batching import _groups
-from tolerances import assert_close
+from tests.trainer.test_batching import _groups
+from tests.tolerances import assert_close
 
 V = 97   # prime: no chunk size divides it, and it is larger than a chunk
 

@@ -16,7 +16,7 @@ from fnrl.models.lora import delta_change_norm, split_adapters
 from fnrl.sharding.mesh import batch_sharding, make_mesh, shardings_for
 from fnrl.trainer.step import (compile_train_step, init_state, make_optimizer, pack_sequences,
                                place_params, state_shardings, token_logprobs)
-from tolerances import assert_close
+from tests.tolerances import assert_close
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 

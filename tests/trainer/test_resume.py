@@ -11,7 +11,7 @@ from fnrl.shell.wire import RoleClient
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import open_version
 
-from toy_batch import toy_batch
+from tests.trainer.toy_batch import toy_batch
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from fnrl.config import MeshConfig, ModelConfig, RolloutConfig, RunConfig, Train
 from fnrl.trainer.checkpoint import Checkpointer
 from fnrl.trainer.role import Trainer
 
-from toy_batch import toy_batch
+from tests.trainer.toy_batch import toy_batch
 
 
 def _host(state) -> list[bytes]:

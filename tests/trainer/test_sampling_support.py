@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fnrl.trainer.logprobs import logprobs_from_hidden, support_threshold
-from tolerances import assert_close
+from tests.tolerances import assert_close
 
 B, T, E, V = 2, 12, 16, 64
 SETTINGS = [(8, 1.0), (-1, 0.9), (20, 0.8), (1, 1.0), (-1, 1.0)]

@@ -99,7 +99,7 @@ def test_long_sequences_keep_no_attention_scores_per_layer():
 
 
 def test_the_plan_covers_the_measured_real_run():
-    """The 0.5B-shaped run (benchmarks/real_model.py: bfloat16, 4 x 1,152 tokens, chunks
+    """The 0.5B-shaped run (lab/benchmarks/real_model.py: bfloat16, 4 x 1,152 tokens, chunks
     of 512, remat) peaked at 12.89 GiB RSS in the trainer, 0.92 GiB of it the relay's
     inbox mapped in; its step alone (fnrl.trainer.peak) at 9.71 GB. The plan must cover
     both, and by no more than a quarter (a plan far above the truth refuses runs that fit)."""
