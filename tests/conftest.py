@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 # Each xdist worker may run an end-to-end job (a trainer, one to three vLLM servers and
 # relays: about 6 GiB at peak on CPU, 4 of it the servers'), so memory bounds the workers
-# as well as cores do. 6 GiB is the embedded job's plan (fnrl.control.memory prints it).
+# as well as cores do. 6 GiB is the embedded job's plan (fnrl.backends.memory prints it).
 WORKER_GIB = 6
 
 

@@ -1,4 +1,4 @@
-"""Where the job's roles listen (fnrl.control.roles, fnrl.serving.server)."""
+"""Where the job's roles listen (fnrl.backends.roles, fnrl.serving.server)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class ClusterConfig:
 
     backend: str = "local"
     """Where roles run: "local" (child processes of the controller on this host; needs no
-    Ray) or "ray" (an existing Ray cluster places them on its nodes: fnrl.control.ray_cluster,
+    Ray) or "ray" (an existing Ray cluster places them on its nodes: fnrl.backends.ray_cluster,
     docs/multinode.md)."""
     ray_address: str = ""
     """The Ray cluster to join ("": the RAY_ADDRESS variable, else "auto")."""

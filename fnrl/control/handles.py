@@ -2,7 +2,7 @@
 and the clock, as typed interfaces.
 
 The loop (fnrl.control.loop) talks only to these. Local processes implement them
-(fnrl.control.local: a ZeroMQ trainer process, vLLM HTTP servers, the relay tier),
+(fnrl.backends.local: a ZeroMQ trainer process, vLLM HTTP servers, the relay tier),
 in-process fakes implement them in tests (tests/control/fakes.py), and a Ray-placed
 or simulated implementation plugs in the same way: build a `Roles` and hand it to
 `Controller`. A handle never decides anything; the loop's pure policies do, and `act`

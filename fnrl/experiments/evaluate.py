@@ -41,7 +41,7 @@ import aiohttp
 from fnrl.config import RunConfig, load_json
 from fnrl.control.eval_lane import score_heldout
 from fnrl.control.metrics import read_jsonl
-from fnrl.control.roles import Cluster
+from fnrl.backends.roles import Cluster
 from fnrl.experiments.export import restored_params
 from fnrl.data.reward import checked_reward
 from fnrl.relay.client import RelayClient

@@ -43,14 +43,14 @@ from fnrl.config.algo import sampling_defaults
 from fnrl.config.files import overlay, read_config_file
 from fnrl.control.book import TaskIO
 from fnrl.control.handles import Roles
-from fnrl.control.local import HttpEvalServer, HttpRollout, LocalRelays, LocalTrainer
+from fnrl.backends.local import HttpEvalServer, HttpRollout, LocalRelays, LocalTrainer
 from fnrl.control.loop import Controller
-from fnrl.control.memory import (check_disk, check_gpu_split, check_plan, jax_on_gpu,
+from fnrl.backends.memory import (check_disk, check_gpu_split, check_plan, jax_on_gpu,
                                  plan_disk, plan_local_gpu, plan_memory, read_gpus)
 from fnrl.control.metrics import MetricsWriter, plot_run, plot_timeline
 from fnrl.control import journal
 from fnrl.control.report import across_attempts, learned_nothing
-from fnrl.control.roles import Cluster, LocalLauncher, Stopped
+from fnrl.backends.roles import Cluster, LocalLauncher, Stopped
 from fnrl.control.supervisor import JobRestart
 from fnrl.data.dataset import check_synthetic_prompts, load_task
 from fnrl.data.reward import make_reward
@@ -355,7 +355,7 @@ def make_launcher(cfg: RunConfig, gpu=None):
     if cfg.cluster.backend == "local":
         return LocalLauncher(gpu=gpu)
     try:   # Ray is imported only when used: an optional dependency (the extra `ray`)
-        from fnrl.control.ray_cluster import RayLauncher
+        from fnrl.backends.ray_cluster import RayLauncher
     except ImportError as err:
         raise ValueError(f"cluster.backend='ray' needs Ray, which is not installed ({err}): "
                          "pip install 'fnrl[ray]'") from None

@@ -6,7 +6,7 @@ loopback: how the Ray backend is tried on a laptop and tested in CI.
 Each node is a raylet of Ray's own test cluster (`ray.cluster_utils.Cluster`), labelled
 `fnrl-node=<name>`; the job runs with `--cluster.backend ray` against it, so the trainer,
 the rollouts and one relay per node are placed and started by Ray exactly as on a real
-cluster (fnrl.control.ray_cluster). The whole thing runs in a network namespace of its
+cluster (fnrl.backends.ray_cluster). The whole thing runs in a network namespace of its
 own with only loopback up (fnrl.shell.netns): Ray listens on every interface and probes
 an outside address for the host's, and here neither reaches past 127.0.0.1. At the end
 the cluster's processes are stopped by their handles and its temporary directory is

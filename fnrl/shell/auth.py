@@ -1,7 +1,7 @@
 """Authenticated control: every control message of a run carries an HMAC of its run's secret.
 
 The secret: 32 random bytes (`secrets.token_bytes`) made by the controller when an
-attempt starts (`start_run`, called by `fnrl.control.roles.Cluster`) and handed to every
+attempt starts (`start_run`, called by `fnrl.backends.roles.Cluster`) and handed to every
 role process in its environment (`FNRL_RUN_SECRET`, hex; `procs.spawn` adds it), never
 on a command line, in a log or in config.json, and never written to disk: no role
 outlives its attempt (a re-run controller reaps what the last one left), so a resumed

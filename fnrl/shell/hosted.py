@@ -1,6 +1,6 @@
 """A role process that another host started: the controller's handle on it.
 
-On a multi-node cluster (fnrl.control.ray_cluster) a process is started by the node
+On a multi-node cluster (fnrl.backends.ray_cluster) a process is started by the node
 host of the node it runs on, which keeps its `subprocess.Popen` and answers for it.
 The controller holds a `HostedProcess`: the subset of Popen the job uses (pid, poll,
 wait, returncode), and what fnrl.shell.procs does to a local process (signal its group,

@@ -40,7 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     in that window every connection and `bind(0)` on the host (vLLM's engine cores'
     among them) takes ports from the ephemeral range, which is where `bind(0)` itself
     would have picked. Servers that still lose the race are restarted on a fresh port
-    (fnrl.control.roles.Cluster.wait_servers_ready)."""
+    (fnrl.backends.roles.Cluster.wait_servers_ready)."""
     low = ephemeral_low()
     if low - LOWEST >= 1024:
         for _ in range(64):

@@ -267,7 +267,7 @@ def reap_leftovers(roles_json: Path) -> int:
     killed = 0
     for info in roles.values():
         if info.get("node", "local") != "local":
-            continue   # on another node: its host actor's end took it (fnrl.control.ray_cluster)
+            continue   # on another node: its host actor's end took it (fnrl.backends.ray_cluster)
         for pid in _group_members(int(info["pid"])):
             if pid == os.getpid():
                 continue

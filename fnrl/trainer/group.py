@@ -3,7 +3,7 @@
     python -m fnrl.trainer.group --processes N --host HOST --name-prefix LOGS/trainer \
         -- python -m fnrl.trainer.role ...
 
-The launchers (fnrl.control.roles, on this host or on a Ray node) start this leader as
+The launchers (fnrl.backends.roles, on this host or on a Ray node) start this leader as
 the role "trainer". It starts the N ranks of `fnrl.trainer.role` with FNRL_NUM_PROCESSES,
 FNRL_PROCESS_ID and FNRL_COORDINATOR (process 0's coordinator at `HOST` and a free port;
 fnrl.trainer.distributed) and FNRL_TRAINER_FANOUT (the addresses on which ranks 1..N-1

@@ -1,7 +1,7 @@
 """What the trainer process will hold, in bytes, from the model and run config alone.
 
 Pure arithmetic over shapes (the parameter count comes from `jax.eval_shape` of the
-model): no files, no devices. `fnrl.control.memory` adds the relays and the vLLM
+model): no files, no devices. `fnrl.backends.memory` adds the relays and the vLLM
 servers and checks the sum against the machine before any role starts.
 
 The figures estimate a train step's peak by phase, the way XLA's buffer plan of the

@@ -14,7 +14,7 @@ and no remat, as before these defaults existed. Log-probs are chunked everywhere
 
 Pure: the platform and the card's size are arguments, so the choice is testable on CPU
 (tests/trainer/test_platform.py) and the same function runs in the trainer process,
-the memory plan (fnrl.control.memory) and the benchmarks. The memory-aware remat
+the memory plan (fnrl.backends.memory) and the benchmarks. The memory-aware remat
 choice is `fnrl.trainer.memory.resolve_for_device`, which gives this one the plan.
 """
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from fnrl.control.metrics import read_jsonl
-from fnrl.control.roles import read_roles
+from fnrl.backends.roles import read_roles
 from lab.ablation.ablate import cell_command, pinned, raise_system_exit, write_cell_file
 from lab.ablation.grid import expand, read_spec
 

@@ -14,13 +14,13 @@ from hypothesis import given, strategies as st
 from fnrl.config import EvalConfig, RunConfig
 from fnrl.control.eval_lane import next_due
 from fnrl.control.handles import EvalServerHandle, Roles, ServerError
-from fnrl.control.memory import plan_memory
+from fnrl.backends.memory import plan_memory
 from fnrl.control.metrics import read_jsonl
 from fnrl.types import Completion
 
 from tests.control.fakes import EOS, FakeRelays, FakeRollout, FakeTrainer
 from tests.control.test_loop import STEPS, make_cfg, run
-from tests.control.test_memory_plan import TINY, _cfg
+from tests.backends.test_memory_plan import TINY, _cfg
 
 
 class FakeEvalServer:

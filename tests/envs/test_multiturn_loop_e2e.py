@@ -20,7 +20,7 @@ import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.control.metrics import read_jsonl
-from fnrl.control.roles import read_roles
+from fnrl.backends.roles import read_roles
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.sandbox.pool import SandboxPool
 from fnrl.data.reward import math_reward

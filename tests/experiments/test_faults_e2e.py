@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fnrl.control.metrics import read_jsonl
-from fnrl.control.roles import read_roles
+from fnrl.backends.roles import read_roles
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.experiments.math_grpo import main
 from fnrl.control.journal import records as journal_records

@@ -126,7 +126,7 @@ def test_a_role_started_without_a_secret_does_not_start(tmp_path):
 
 def test_the_trainer_role_refuses_forged_commands_and_trains_on(tmp_path, tiny_model_dir,
                                                               write_run_config):
-    from fnrl.control.roles import Cluster
+    from fnrl.backends.roles import Cluster
     from fnrl.shell.wire import RoleClient
 
     run_dir = tmp_path / "run"

@@ -49,8 +49,8 @@ def test_a_server_whose_port_was_taken_starts_again_on_a_fresh_one(tmp_path, tin
 
     import aiohttp
 
-    from fnrl.control import roles
-    from fnrl.control.local import HttpRollout
+    from fnrl.backends import roles
+    from fnrl.backends.local import HttpRollout
     from fnrl.serving.server import ServerSpec
 
     log = tmp_path / "logs" / "rollout0.log"

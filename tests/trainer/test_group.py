@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fnrl.control.roles import trainer_group_argv
+from fnrl.backends.roles import trainer_group_argv
 from fnrl.shell import auth
 from fnrl.shell.net import free_port
 from fnrl.shell.procs import exited

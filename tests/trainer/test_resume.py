@@ -6,7 +6,7 @@ import signal
 import numpy as np
 import pytest
 
-from fnrl.control.roles import Cluster
+from fnrl.backends.roles import Cluster
 from fnrl.shell.wire import RoleClient
 from fnrl.relay.client import RelayClient
 from fnrl.relay.store import open_version

@@ -1,6 +1,6 @@
 """The Ray launcher's GPU bookkeeping, without a Ray cluster: nodes and their GPU counts
 read from `ray.nodes()`, and each role's CUDA_VISIBLE_DEVICES from its planned indices
-into the GPUs Ray granted its node's host (fnrl.control.ray_cluster)."""
+into the GPUs Ray granted its node's host (fnrl.backends.ray_cluster)."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from fnrl.control.ray_cluster import name_nodes, visible_devices  # noqa: E402
+from fnrl.backends.ray_cluster import name_nodes, visible_devices  # noqa: E402
 from fnrl.policy.placement import place_roles  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def test_roles_on_a_node_see_disjoint_gpus_of_those_ray_granted():
 def test_on_a_ray_cluster_each_role_sees_the_gpus_its_node_host_reserved(tmp_path):
     """A real Ray test cluster whose nodes declare GPUs (a 2, b 4: Ray's `GPU` resource,
     no devices): Ray grants each host its roles' GPUs, and each role's process sees its
-    own slice (tests/control/ray_gpu_probe.py)."""
+    own slice (tests/backends/ray_gpu_probe.py)."""
     probe = Path(__file__).with_name("ray_gpu_probe.py")
     done = subprocess.run([sys.executable, str(probe), str(tmp_path)], timeout=240,
                           capture_output=True, text=True)

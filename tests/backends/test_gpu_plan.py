@@ -9,9 +9,9 @@ import os
 import pytest
 
 from fnrl.config import RolloutConfig, RunConfig, TrainerConfig
-from fnrl.control.memory import (GIB, check_gpu_split, plan_local_gpu, read_gpus,
+from fnrl.backends.memory import (GIB, check_gpu_split, plan_local_gpu, read_gpus,
                                  trainer_batch_shape, visible_gpus)
-from fnrl.control.roles import LocalLauncher
+from fnrl.backends.roles import LocalLauncher
 from fnrl.models.decoder import DecoderConfig
 from fnrl.policy.gpu_memory import GpuSplit
 from fnrl.serving.server import ServerSpec, server_command

@@ -74,7 +74,7 @@ SAMPLE_S = 1.0
 
 class LocalLauncher:
     """Starts every role as a child process of the controller, on this host (the
-    `local` backend). fnrl.control.ray_cluster.RayLauncher places them on Ray nodes
+    `local` backend). fnrl.backends.ray_cluster.RayLauncher places them on Ray nodes
     behind the same methods."""
 
     home_relays = None   # rollout i pulls from relay i % n (fnrl.relay.tier)

@@ -3,7 +3,7 @@ namespace, which needs a process without threads): a Ray test cluster whose node
 GPUs (a 2, b 4), the Ray launcher placing a trainer of 2 GPUs and two tensor-parallel-2
 rollouts on it, and what each role's process sees as CUDA_VISIBLE_DEVICES.
 
-    python tests/control/ray_gpu_probe.py OUT_DIR    # writes OUT_DIR/probe.json
+    python tests/backends/ray_gpu_probe.py OUT_DIR    # writes OUT_DIR/probe.json
 """
 
 import json
@@ -19,7 +19,7 @@ from fnrl.shell.netns import enter_loopback_namespace
 def main(out: Path) -> None:
     enter_loopback_namespace()
     from fnrl.config import ClusterConfig
-    from fnrl.control.ray_cluster import RayLauncher
+    from fnrl.backends.ray_cluster import RayLauncher
     from fnrl.experiments.ray_local import NODE_LABEL, start_cluster
     temp_dir = tempfile.mkdtemp(prefix="fnrl-ray-")
     cluster = launcher = None

@@ -1,6 +1,6 @@
 """Role handles over local processes: the trainer as a ZeroMQ child process (with an
 optional warm standby), vLLM HTTP servers, and the relay tier, all started by
-`fnrl.control.roles.Cluster` on this host. They implement fnrl.control.handles."""
+`fnrl.backends.roles.Cluster` on this host. They implement fnrl.control.handles."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 
 from fnrl.control.handles import RelayEvent, TrainResult
-from fnrl.control.roles import EVAL_SERVER, Cluster
+from fnrl.backends.roles import EVAL_SERVER, Cluster
 from fnrl.serving.client import RolloutClient
 from fnrl.shell import procs
 from fnrl.shell.wire import RoleClient, RoleError

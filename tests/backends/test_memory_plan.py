@@ -6,7 +6,7 @@ import pytest
 
 from fnrl.config import (FaultConfig, LoraConfig, RelayConfig, RolloutConfig, RunConfig,
                          TrainerConfig)
-from fnrl.control.memory import (CONTROLLER_BYTES, RELAY_PROCESS_BYTES, check_plan,
+from fnrl.backends.memory import (CONTROLLER_BYTES, RELAY_PROCESS_BYTES, check_plan,
                                  plan_memory, trainer_batch_shape)
 from fnrl.serving.server import SERVER_PROCESS_BYTES
 from fnrl.models.decoder import DecoderConfig
@@ -83,7 +83,7 @@ def test_the_check_names_every_figure_when_it_does_not_fit():
 
 
 def test_a_multi_node_plan_is_checked_per_machine():
-    from fnrl.control.memory import MemoryPlan, RoleMemory, check_plan_per_machine
+    from fnrl.backends.memory import MemoryPlan, RoleMemory, check_plan_per_machine
     gib = 1 << 30
     plan = MemoryPlan(roles=tuple(RoleMemory(role=name, items=(("x", b * gib),),
                                              peak_bytes=b * gib)
@@ -110,7 +110,7 @@ def test_with_lora_relays_hold_adapters_and_servers_the_base_they_merge_into():
 
 
 def test_the_disk_plan_counts_checkpoints_batches_and_logs_and_refuses_by_name():
-    from fnrl.control.memory import check_disk, plan_disk
+    from fnrl.backends.memory import check_disk, plan_disk
 
     cfg = dataclasses.replace(_cfg(), steps=10)
     items = dict(plan_disk(TINY, cfg, context_len=8))

@@ -23,7 +23,7 @@ import pytest
 from fnrl.control.metrics import read_jsonl
 
 from fnrl.config import RelayConfig
-from fnrl.control.roles import Cluster, read_roles
+from fnrl.backends.roles import Cluster, read_roles
 from fnrl.relay import store
 from fnrl.relay.client import RelayClient
 from fnrl.shell import procs
@@ -36,7 +36,7 @@ CONTROLLER = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from fnrl.config import RelayConfig
-    from fnrl.control.roles import Cluster
+    from fnrl.backends.roles import Cluster
     from fnrl.relay.client import RelayClient
     cluster = Cluster(Path(sys.argv[1]))
     tier = cluster.start_relays(RelayConfig(num_relays=2))

@@ -45,7 +45,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from fnrl.config import ClusterConfig
 from fnrl.policy.placement import Placement, place_roles
 from fnrl.relay.launch import remove_segments
-from fnrl.control.memory import MemoryPlan, check_plan_per_machine
+from fnrl.backends.memory import MemoryPlan, check_plan_per_machine
 from fnrl.serving.server import ServerSpec, launch_server, read_host_memory
 from fnrl.shell import auth, procs
 from fnrl.shell.hosted import HostedProcess
@@ -229,7 +229,7 @@ def visible_devices(host_gpus: Sequence[str], indices: Sequence[int]) -> str:
 
 class RayLauncher:
     """Places and starts the roles of one job on a Ray cluster (the `ray` backend).
-    The same methods as fnrl.control.roles.LocalLauncher."""
+    The same methods as fnrl.backends.roles.LocalLauncher."""
 
     def __init__(self, cfg: ClusterConfig, num_rollouts: int, *, with_eval: bool,
                  gpus_per_process: int = 0, trainer_processes: int = 1,

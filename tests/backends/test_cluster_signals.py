@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from fnrl.control.roles import Cluster, RoleProcess, Stopped
+from fnrl.backends.roles import Cluster, RoleProcess, Stopped
 from fnrl.shell import procs
 
 
