@@ -149,6 +149,7 @@ class Cluster:
         # A previous controller of this run that was SIGKILLed may have left some (a vLLM
         # engine process outlives its server when only the server had PDEATHSIG).
         reap_leftovers(run_dir / "roles.json")
+        procs.remove_orphan_scratch()   # their servers' temporary files
         # What those left in shared memory (a relay stopped, or killed before it could
         # unlink its segments).
         for name, info in read_roles(run_dir / "roles.json").items():
@@ -160,6 +161,7 @@ class Cluster:
         auth.start_run()
         self.roles: list[RoleProcess] = []
         self._relays_started: list[tuple[str, object]] = []   # (name, proc): segment owners
+        self._replaced: list = []   # processes of roles replaced after they died
         self.relay_tier: RelayTier | None = None
         self._trainer_argv: tuple[Path, Path, str] | None = None
         self._server_specs: dict[int, ServerSpec] = {}
@@ -185,8 +187,12 @@ class Cluster:
         return procs.exit_reason(self.role(name).proc)
 
     def _add(self, role: RoleProcess) -> RoleProcess:
-        """Registers a role (replacing one of the same name) and records every pid in
-        roles.json (for operators and tests)."""
+        """Registers a role (replacing one of the same name, whose leftovers go) and
+        records every pid in roles.json (for operators and tests)."""
+        for old in self.roles:
+            if old.name == role.name:
+                procs.release(old.proc)
+                self._replaced.append(old.proc)   # released again at stop, if not gone yet
         self.roles = [r for r in self.roles if r.name != role.name] + [role]
         write_atomic(self.run_dir / "roles.json", json.dumps(
             {r.name: {"pid": r.proc.pid, "address": r.address, "log": str(r.log_path),
@@ -434,6 +440,8 @@ class Cluster:
                         if r.name.startswith("rollout") or r.name == EVAL_SERVER else grace_s
                         for r in self.roles])
         self.roles.clear()
+        for proc in self._replaced:   # a replaced role's group may have outlived the swap
+            procs.release(proc)
         # A relay SIGKILLed after the grace period (or stopped before the tier existed)
         # could not unlink its segments.
         for name, proc in self._relays_started:

@@ -28,6 +28,7 @@ from fnrl.control.episodes import EpisodeOutcome, stream_episode
 from fnrl.control.eval_lane import record_eval, score_heldout
 from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError, ToolsHandle
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
+from fnrl.control.workload import forced_length
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.data.reward import checked_reward
 from fnrl.policy.filtering import keep_group
@@ -101,6 +102,19 @@ class Generation:
 
     # --- placement (called by act) ------------------------------------------------------
 
+    def fill(self, num_groups: int) -> None:
+        """FillPrompts: the next `num_groups` problems become groups in the TS, journaled."""
+        cfg, task = self.cfg, self.task
+        for problem in task.prompts.take(num_groups):
+            prompt_ids = tuple(task.encode(problem.prompt))
+            base = len(self.table.trajs)
+            room = task.seq_len - len(prompt_ids)   # vLLM: prompt + max_tokens ≤ max_model_len
+            lens = [forced_length(cfg.rollout, cfg.seed, base + k) for k in range(cfg.algo.group_size)]
+            lens = [None if n is None else min(n, room) for n in lens]
+            rec = self.table.add_group(problem, prompt_ids, lens)
+            self.journal.write("fill", problem=dataclasses.asdict(problem), lens=lens,
+                               uids=[t.uid for t in self.table.members(rec.gid)])
+
     def place(self, t: Tracked, rid: int) -> None:
         assert t.live and t.inst == IN_TS, (t.tid, t.inst, rid)
         t.inst, t.started = rid, False
@@ -116,6 +130,33 @@ class Generation:
         t.inst = IN_TS
         if t.task is not None:
             t.task.cancel()
+
+    def route(self, tids, rid: int) -> None:
+        for tid in tids:
+            self.place(self.table.trajs[tid], rid)
+
+    def interrupt(self, tids, rid: int) -> None:
+        for tid in tids:
+            self.unplace(self.table.trajs[tid], rid)
+
+    def migrate(self, tids, src: int, dst: int) -> None:
+        for tid in tids:
+            self.unplace(self.table.trajs[tid], src)
+            self.place(self.table.trajs[tid], dst)
+
+    def abort(self, tids, rid: int | None) -> None:
+        """Abort: the trajectories end where they are (on rollout `rid`, or in the TS),
+        and their tokens leave the partial response pool."""
+        for tid in tids:
+            t = self.table.trajs[tid]
+            if rid is not None:
+                self.unplace(t, rid)
+            t.aborted = True
+            self.pool.drop(t.uid)
+
+    def drop_groups(self, gids) -> None:
+        self.journal.write("drop", groups=[self.table.groups[g].name for g in gids])
+        self.table.drop(gids, event=False)
 
     def pull(self, rid: int) -> bool:
         """Starts a pull of the trainer's newest version; False if the rollout is down."""

@@ -34,7 +34,6 @@ from fnrl.control.handles import Clock, MonotonicClock, Roles
 from fnrl.control.supervisor import JobRestart, Supervisor
 from fnrl.control.trajectories import TrajectoryTable
 from fnrl.control.training import Training
-from fnrl.control.workload import forced_length
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import faults, schedule
 from fnrl.shell.files import no_space
@@ -42,7 +41,6 @@ from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Inter
                         Pull, Route)
 
 TICK_S = 0.1
-NEVER = 1 << 40           # an eval_every no run reaches
 PROGRESS_EVERY_S = 2.0    # attempts.jsonl: how stale a killed controller's record may be
 
 
@@ -65,12 +63,12 @@ class Controller:
         recovery.count_pool_recovery(self.pool, self.book.counts, self.log)
         self.consumed = recovery.ConsumedLog(run_dir / "trajectories.jsonl", self.pool)
         self.attempts = report.Attempts(run_dir)
-        self.plan = schedule.SchedulePlan(
-            cycle=schedule.cycle_config(cfg.coord, batch_groups=cfg.algo.groups_per_step,
-                                        prompt_groups=cfg.rollout.groups_per_batch),
-            total_steps=cfg.steps,
-            # Idle rollouts evaluate only when no evaluation server is given (eval_lane).
-            eval_every=cfg.eval_every if self._evaluates_on_rollouts(cfg, roles) else NEVER)
+        # Idle rollouts evaluate only when no evaluation server is given (eval_lane).
+        self._eval_on_rollouts = cfg.eval.server != "off" and roles.evaluator is None
+        self.plan = schedule.plan(cfg.coord, batch_groups=cfg.algo.groups_per_step,
+                                  prompt_groups=cfg.rollout.groups_per_batch, total_steps=cfg.steps,
+                                  eval_every=(cfg.eval_every if self._eval_on_rollouts
+                                              else schedule.NEVER))
         self.state: schedule.ScheduleState | None = None
         self.supervisor = Supervisor(cfg.faults, roles, book=self.book, svc=self.svc, run_dir=run_dir)
         self.generation = Generation(cfg, roles.rollouts, roles.relays, table=self.table,
@@ -151,16 +149,12 @@ class Controller:
                 json.dumps(self.svc.timeline)))
             self.attempts.close()
 
-    @staticmethod
-    def _evaluates_on_rollouts(cfg: RunConfig, roles: Roles) -> bool:
-        return cfg.eval.server != "off" and roles.evaluator is None
-
     async def evaluate_now(self) -> None:
         """Held-out evaluation of the trainer's newest version, awaited (at the start and
         the end of an attempt): on the evaluation server, or on rollout 0."""
         if self.eval_lane is not None:
             await self.eval_lane.finish(self.book.trainer_version)
-        elif self._evaluates_on_rollouts(self.cfg, self.roles):
+        elif self._eval_on_rollouts:
             await self.generation.evaluate_now()
 
     def tick(self) -> bool:
@@ -215,13 +209,8 @@ class Controller:
             inst_max_seqs_R=[self.cfg.rollout.max_num_seqs] * len(rollouts))
         snap = dataclasses.replace(snap, skipped_steps=b.skipped_steps)
         b.skipped_steps = 0
-        placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(rollouts))
-        trainer_down = self.supervisor.down("trainer")
-        for r, state in enumerate(rollouts):
-            state.active_s += dt * bool(placed[r])
-            state.blocked_s += dt * (trainer_down and not placed[r])
-            state.kv_token_s += dt * float(snap.inst_kv_used_R[r])
-            state.kv_prev = float(snap.inst_kv_used_R[r])
+        placed = report.account_rollouts(rollouts, snap, dt,
+                                         trainer_down=self.supervisor.down("trainer"))
         if not self.svc.timeline or now - self.svc.timeline[-1]["t"] >= 0.25:
             self.svc.timeline.append({"t": now, "running": placed.tolist(),
                                       "versions": snap.inst_version_R.tolist(),
@@ -250,32 +239,23 @@ class Controller:
 
     def act(self, cmd) -> None:
         """Applies `cmd` to the bookkeeping now; its I/O runs as a task."""
-        counts, gen, trajs = self.book.counts, self.generation, self.table.trajs
+        counts, gen = self.book.counts, self.generation
         if isinstance(cmd, FillPrompts):
-            self._fill(cmd.num_groups)
+            gen.fill(cmd.num_groups)
         elif isinstance(cmd, Route):
-            for tid in cmd.tids:
-                gen.place(trajs[tid], cmd.rid)
+            gen.route(cmd.tids, cmd.rid)
             counts["routed"] += len(cmd.tids)
         elif isinstance(cmd, Interrupt):
-            for tid in cmd.tids:
-                gen.unplace(trajs[tid], cmd.rid)
+            gen.interrupt(cmd.tids, cmd.rid)
             counts["interrupted"] += len(cmd.tids)
         elif isinstance(cmd, Migrate):
-            for tid in cmd.tids:
-                gen.unplace(trajs[tid], cmd.src)
-                gen.place(trajs[tid], cmd.dst)
+            gen.migrate(cmd.tids, cmd.src, cmd.dst)
             report.count_migrate(counts, cmd)
         elif isinstance(cmd, Abort):
-            for tid in cmd.tids:
-                if cmd.rid is not None:
-                    gen.unplace(trajs[tid], cmd.rid)
-                trajs[tid].aborted = True
-                self.pool.drop(trajs[tid].uid)
+            gen.abort(cmd.tids, cmd.rid)
             counts["aborted"] += len(cmd.tids)
         elif isinstance(cmd, DropGroups):
-            self.journal.write("drop", groups=[self.table.groups[g].name for g in cmd.gids])
-            self.table.drop(cmd.gids, event=False)
+            gen.drop_groups(cmd.gids)
             counts["dropped_groups"] += len(cmd.gids)
         elif isinstance(cmd, Pull):
             counts["pulls" if gen.pull(cmd.rid) else "pulls_skipped_down"] += 1
@@ -287,18 +267,6 @@ class Controller:
             self.supervisor.act(cmd)
         else:
             raise TypeError(f"unknown command {cmd!r}")
-
-    def _fill(self, num_groups: int) -> None:
-        cfg = self.cfg
-        for problem in self.task.prompts.take(num_groups):
-            prompt_ids = tuple(self.task.encode(problem.prompt))
-            base = len(self.table.trajs)
-            room = self.task.seq_len - len(prompt_ids)   # vLLM: prompt + max_tokens ≤ max_model_len
-            lens = [forced_length(cfg.rollout, cfg.seed, base + k) for k in range(cfg.algo.group_size)]
-            lens = [None if n is None else min(n, room) for n in lens]
-            rec = self.table.add_group(problem, prompt_ids, lens)
-            self.journal.write("fill", problem=dataclasses.asdict(problem), lens=lens,
-                               uids=[t.uid for t in self.table.members(rec.gid)])
 
     # --- report ---------------------------------------------------------------------------
 

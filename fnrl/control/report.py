@@ -44,6 +44,19 @@ def count_migrate(counts, cmd) -> None:
     counts["repacks"] += cmd.reason == "repack"
 
 
+def account_rollouts(rollouts: Sequence, snap, dt: float, *, trainer_down: bool) -> np.ndarray:
+    """Adds the `dt` seconds since the last snapshot to each rollout's active, blocked
+    (idle while the trainer is down) and KV-token time; returns the running count per
+    rollout."""
+    placed = np.bincount(snap.traj_inst_N[snap.traj_inst_N >= 0], minlength=len(rollouts))
+    for r, state in enumerate(rollouts):
+        state.active_s += dt * bool(placed[r])
+        state.blocked_s += dt * (trainer_down and not placed[r])
+        state.kv_token_s += dt * float(snap.inst_kv_used_R[r])
+        state.kv_prev = float(snap.inst_kv_used_R[r])
+    return placed
+
+
 def utilization(book: Book, rollouts: Sequence, wall_s: float) -> dict:
     """Idle ratios and KV use over the loop's RL time (its wall time less evaluations).
 

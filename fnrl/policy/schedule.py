@@ -42,11 +42,23 @@ def cycle_config(coord: CoordinatorConfig, *, batch_groups: int, prompt_groups: 
         prompt_groups=prompt_groups)
 
 
+NEVER = 1 << 40   # an eval_every no run reaches
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulePlan:
     cycle: CycleConfig
     total_steps: int
     eval_every: int
+
+
+def plan(coord: CoordinatorConfig, *, batch_groups: int, prompt_groups: int, total_steps: int,
+         eval_every: int = NEVER) -> SchedulePlan:
+    """The schedule of a run (the real loop's and the simulator's): the coordinator's
+    cycle, the steps to train, and how often idle rollouts evaluate (never by default)."""
+    return SchedulePlan(cycle=cycle_config(coord, batch_groups=batch_groups,
+                                           prompt_groups=prompt_groups),
+                        total_steps=total_steps, eval_every=eval_every)
 
 
 @dataclass(frozen=True, eq=False)

@@ -356,7 +356,7 @@ def launch_server(spec: ServerSpec, log_path: str | os.PathLike) -> subprocess.P
     nothing, if it would not fit in the host memory available now (`check_memory`).
     """
     check_memory([spec])
-    return procs.spawn(server_command(spec), log_path, env=server_env(spec))
+    return procs.spawn(server_command(spec), log_path, env=server_env(spec), scratch=True)
 
 
 def wait_ready(

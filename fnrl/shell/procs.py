@@ -13,6 +13,13 @@ when the group is SIGKILLed as a whole, or when vLLM's own shutdown force-kills 
 subprocesses (seen on a Ctrl-C mid-run: one sem.mp-* left). So `sample` notes the
 semaphores a group maps, and `signal_group` (SIGKILL) and `stop` unlink what is left of
 them once the group is going or gone.
+
+A process spawned with `scratch=True` gets a temporary directory of its own as TMPDIR:
+vLLM leaves a torch file store (`vllm_dist_*`) and its ZeroMQ IPC sockets in the
+temporary directory and never removes them (about 4 files a server start, seen by the
+thousand in /tmp). `stop` removes the directory once the group is gone; the name holds
+the spawning process's pid, so `remove_orphan_scratch` (at the next start) removes what
+a SIGKILLed controller's roles left.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -32,6 +41,7 @@ from fnrl.shell.exits import ExitWatch
 from fnrl.shell.hosted import HostedProcess
 
 _OURS = (b"fnrl", b"vllm", b"VLLM")
+SCRATCH_PREFIX = "fnrl-scratch-"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -44,7 +54,8 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 def spawn(argv: list[str], log_path: str | os.PathLike, *,
           env: Mapping[str, str] | None = None, own_session: bool = True,
-          with_parent: bool = True, death_signal: int = signal.SIGKILL) -> subprocess.Popen:
+          with_parent: bool = True, death_signal: int = signal.SIGKILL,
+          scratch: bool = False) -> subprocess.Popen:
     """Starts `argv` with stdout and stderr appended to `log_path` and no stdin.
 
     own_session: leads its own session and process group (`stop` ends the group).
@@ -53,13 +64,24 @@ def spawn(argv: list[str], log_path: str | os.PathLike, *,
     SIGTERM lets a role that owns shared memory unlink it when its job is SIGKILLed.
     The environment always holds a run secret (`env`'s own, else this process's:
     fnrl.shell.auth), the only way a role gets it.
+    scratch: a temporary directory of its own as TMPDIR, removed by `stop`.
     """
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, env=auth.with_secret(env), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=own_session,
-                                preexec_fn=(lambda: die_with_parent(death_signal))
-                                if with_parent else None)
+    env = auth.with_secret(env)
+    tmp = None
+    if scratch:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        env["TMPDIR"] = str(tmp)
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=own_session,
+                                    preexec_fn=(lambda: die_with_parent(death_signal))
+                                    if with_parent else None)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    proc.fnrl_scratch = tmp
     proc.fnrl_log_path = Path(log_path)  # for error messages (files.log_tail)
     proc.fnrl_watch = ExitWatch(proc.pid)  # for `exit_reason`: was it the OOM killer?
     return proc
@@ -223,6 +245,35 @@ def stop_all(procs: Iterable[subprocess.Popen], grace_s: float | Sequence[float]
         proc.wait(grace)
         if group:
             _unlink_semaphores(proc)
+        _remove_scratch(proc)
+
+
+def release(proc: subprocess.Popen) -> None:
+    """What the group of an exited process held (its semaphores, its scratch directory),
+    for a role replaced after it died; a group still running is left alone."""
+    if not isinstance(proc, HostedProcess) and proc.poll() is not None and group_gone(proc):
+        _unlink_semaphores(proc)
+        _remove_scratch(proc)
+
+
+def _remove_scratch(proc: subprocess.Popen) -> None:
+    if (tmp := getattr(proc, "fnrl_scratch", None)) is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_orphan_scratch() -> int:
+    """Removes the scratch directories (`spawn(scratch=True)`) whose spawning process is
+    gone (a controller SIGKILLed with its roles); returns how many."""
+    removed = 0
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            owner = int(path.name[len(SCRATCH_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if owner != os.getpid() and not alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def _wait(proc: subprocess.Popen, deadline: float, group: bool) -> bool:

@@ -77,5 +77,4 @@ def plan_for(cfg: SimConfig, decode: costs.DecodeCosts,
         raise ValueError(f"invalid config cluster.placement='colocated' with η={coord.eta}: "
                          "colocated roles take turns, which only η = 0 guarantees")
     g = cfg.workload.groups_per_step
-    return schedule.SchedulePlan(cycle=schedule.cycle_config(coord, batch_groups=g, prompt_groups=g),
-                                 total_steps=cfg.steps, eval_every=1 << 40)
+    return schedule.plan(coord, batch_groups=g, prompt_groups=g, total_steps=cfg.steps)

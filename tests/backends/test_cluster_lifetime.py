@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -154,6 +155,7 @@ class Job:
         self.pids: dict[int, int] = {}      # pid -> its start time (a reused pid is not ours)
         self.relays: set[tuple[str, int]] = set()
         self.semaphores: set[str] = set()
+        self.scratch: set[Path] = set()     # the servers' TMPDIRs (procs.spawn(scratch=True))
 
     def roles(self) -> dict:
         return read_roles(self.run_dir / "roles.json")
@@ -169,6 +171,8 @@ class Job:
         for name, pid in roles.items():
             if name.startswith("rollout"):
                 self.semaphores |= set(procs.group_semaphores(pid))
+        self.scratch |= set(Path(tempfile.gettempdir()).glob(
+            f"{procs.SCRATCH_PREFIX}{self.proc.pid}-*"))
 
     def wait_for(self, cond, timeout_s: float = 600.0) -> None:
         def ready():
@@ -202,10 +206,12 @@ class Job:
         alive_pids = [p for p, t in self.pids.items()
                       if p != os.getpid() and alive(p) and start_time(p) == t]
         shm = segments(self.relays) + [s for s in self.semaphores if os.path.exists(s)]
-        return alive_pids, shm
+        return alive_pids, shm + [str(d) for d in self.scratch if d.exists()]
 
-    def assert_nothing_left(self, *, semaphores: bool = True) -> None:
+    def assert_nothing_left(self, *, semaphores: bool = True, scratch: bool = True) -> None:
         assert self.relays and (self.semaphores or not semaphores)   # the job made them
+        if not scratch:   # a SIGKILLed controller's: removed at the next start
+            assert self.scratch and procs.remove_orphan_scratch() >= len(self.scratch)
         wait_until(lambda: self.leftovers() == ([], []), 60)
 
     def close(self) -> None:
@@ -287,4 +293,4 @@ def test_a_terminated_or_killed_controller_mid_run_leaves_nothing(job_factory, s
     job.wait_for(job.trained)
     job.proc.send_signal(sig)
     assert job.exit_code() == code, job.log()[-3000:]
-    job.assert_nothing_left()
+    job.assert_nothing_left(scratch=sig != signal.SIGKILL)

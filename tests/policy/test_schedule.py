@@ -4,14 +4,15 @@ the end of a run."""
 import numpy as np
 
 from fnrl.config import CoordinatorConfig, RoutingConfig
-from fnrl.policy.schedule import SchedulePlan, cycle_config, decide, finished, init_schedule
+from fnrl.policy import schedule
+from fnrl.policy.schedule import decide, finished, init_schedule
 from fnrl.types import ClusterSnapshot, Consume, Evaluate, FillPrompts, Pull, Route
 
 
 def plan(eta=0, total_steps=10, eval_every=100, sync="greedy"):
     coord = CoordinatorConfig(eta=eta, routing=RoutingConfig(sync=sync, migrate=False, mu=0.0))
-    return SchedulePlan(cycle=cycle_config(coord, batch_groups=2, prompt_groups=2),
-                        total_steps=total_steps, eval_every=eval_every)
+    return schedule.plan(coord, batch_groups=2, prompt_groups=2, total_steps=total_steps,
+                         eval_every=eval_every)
 
 
 def snap(versions, *, ps=0, idle=True, tids=(), gids=(), inst=(), rewarded=(), complete=None):

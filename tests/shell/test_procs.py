@@ -52,6 +52,36 @@ def test_spawn_gives_its_own_session_and_logs(tmp_path):
     assert proc.returncode is not None
 
 
+def test_a_scratch_directory_is_the_roles_tmpdir_and_goes_with_it(tmp_path, monkeypatch):
+    """vLLM leaves its torch file store and IPC sockets in TMPDIR: a server's own scratch
+    directory goes when it is stopped, when a dead role is released, or, if its spawner
+    was SIGKILLed, at the next start (remove_orphan_scratch)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))      # gettempdir() is cached: reset below
+    monkeypatch.setattr(procs.tempfile, "tempdir", None)
+    writes = ("import os, tempfile, time; open(os.path.join(tempfile.gettempdir(), 'vllm_dist_x'),"
+              " 'w').close(); print(tempfile.gettempdir(), flush=True); time.sleep(60)")
+    proc = procs.spawn([sys.executable, "-c", writes], tmp_path / "a.log", scratch=True)
+    assert wait_for(lambda: (tmp_path / "a.log").read_text().strip() != "")
+    scratch = (tmp_path / "a.log").read_text().split()[0]
+    assert scratch == str(proc.fnrl_scratch) and (proc.fnrl_scratch / "vllm_dist_x").exists()
+    assert proc.fnrl_scratch.name.startswith(f"fnrl-scratch-{os.getpid()}-")
+    procs.stop(proc, 5.0)
+    assert not proc.fnrl_scratch.exists()
+
+    died = procs.spawn([sys.executable, "-c", "pass"], tmp_path / "b.log", scratch=True)
+    procs.release(died)                               # still running (or not yet reaped)
+    assert wait_for(lambda: died.poll() is not None and procs.group_gone(died))
+    procs.release(died)
+    assert not died.fnrl_scratch.exists()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    orphan, ours = tmp_path / f"fnrl-scratch-{dead}-abc", tmp_path / f"fnrl-scratch-{os.getpid()}-x"
+    orphan.mkdir(), ours.mkdir(), (tmp_path / "fnrl-scratch-notapid").mkdir()
+    assert procs.remove_orphan_scratch() == 1
+    assert not orphan.exists() and ours.exists() and (tmp_path / "fnrl-scratch-notapid").exists()
+
+
 def test_stop_ends_the_whole_group_and_kills_what_ignores_sigterm(tmp_path):
     proc = procs.spawn([sys.executable, "-c", PARENT_WITH_CHILD], tmp_path / "p.log")
     assert wait_for(lambda: (tmp_path / "p.log").read_text().strip() != "")
