@@ -138,3 +138,47 @@ def test_the_file_wins_over_the_models_sampling_values_and_flags_over_both(tmp_p
     save_json(cfg, tmp_path / "config.json")
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.3}))
     assert parse_config(["--config", str(tmp_path / "config.json")]) == cfg
+
+
+def test_an_optional_section_is_off_as_absence_in_files_flags_and_config_json(tmp_path):
+    """`coord.repack` / `coord.balance` are sections that are off when null: a preset turns
+    one on, a file or a flag turns it on with fields or off, and config.json keeps it."""
+    laminar = apply_preset("laminar")
+    assert laminar.coord.repack is not None and laminar.coord.balance is None
+    assert apply_preset("fnrl").coord.balance is not None
+    save_json(laminar, tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["coord"]["balance"] is None
+    assert parse_config(["--config", str(tmp_path / "config.json")]) == laminar
+    # Flags in any order around the section's subcommand.
+    cfg = parse_config(["--steps", "3", "coord.repack:off", "--coord.eta", "1",
+                        "coord.balance:on", "--coord.balance.max-moves", "5"])
+    assert cfg.coord.repack is None and cfg.coord.balance.max_moves == 5
+    assert (cfg.steps, cfg.coord.eta) == (3, 1)
+    path = tmp_path / "a.yaml"
+    path.write_text("preset: sync\ncoord.repack: {c_max: 0.5}\n")
+    assert parse_config(["--config", str(path)]).coord.repack.c_max == 0.5
+    path.write_text("preset: laminar\ncoord.repack: null\n")
+    assert parse_config(["--config", str(path)]).coord.repack is None
+    path.write_text("preset: sync\ncoord.balance: 3\n")
+    with pytest.raises(ValueError, match="coord.balance is a section"):
+        parse_config(["--config", str(path)])
+
+
+def test_old_switches_still_load_with_a_warning_naming_the_new_spelling(tmp_path, capsys):
+    """fnrl.config.renamed: `use_repack` / `use_balance` in an old run's config.json, in a
+    YAML file and as flags."""
+    old = to_dict(apply_preset("laminar"))
+    old["coord"] |= {"use_repack": True, "use_balance": False, "balance": {"threshold": 0.5,
+                                                                           "max_moves": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert parse_config(["--config", str(tmp_path / "config.json")]) == apply_preset("laminar")
+    err = capsys.readouterr().err
+    assert "coord.use_repack is deprecated; write coord.repack" in err
+    assert "coord.use_balance is deprecated; write coord.balance" in err
+    (tmp_path / "a.yaml").write_text("preset: sync\ncoord:\n  use_balance: true\n")
+    assert parse_config(["--config", str(tmp_path / "a.yaml")]).coord.balance is not None
+    cfg = parse_config(["--coord.use-repack", "--coord.no-use-balance"])
+    assert cfg.coord.repack is not None and cfg.coord.balance is None
+    err = capsys.readouterr().err
+    assert "--coord.use-repack is deprecated; write coord.repack:on" in err
+    assert "--coord.no-use-balance is deprecated; write coord.balance:off" in err

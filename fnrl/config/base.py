@@ -9,8 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from pathlib import Path
 from typing import Any
+
+from fnrl.config.renamed import upgrade
 
 
 def check(cond: bool, owner: str, name: str, value: Any, why: str) -> None:
@@ -42,8 +46,10 @@ SIMULATOR_ONLY = {
 """Keys a config file may carry from the simulator's configs, and why the real job refuses them."""
 
 
-def from_dict(cls: type, data: dict) -> Any:
-    """Builds a config from a nested dict, naming any key the class does not have."""
+def from_dict(cls: type, data: dict, *, where: str = "config") -> Any:
+    """Builds a config from a nested dict, naming any key the class does not have. Old
+    spellings are read with a warning (fnrl.config.renamed)."""
+    data = upgrade(cls.__name__, data, where=where)
     names = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(names))
     for key in unknown:
@@ -54,14 +60,23 @@ def from_dict(cls: type, data: dict) -> Any:
         raise ValueError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}")
     kwargs = {}
     for key, value in data.items():
-        sub = names[key].default_factory if names[key].default_factory is not dataclasses.MISSING else None
-        if isinstance(value, dict) and sub is not None and not isinstance(sub, type):
-            sub = type(sub())   # a factory function with non-default values: its class
-        if isinstance(value, dict) and sub is not None and dataclasses.is_dataclass(sub):
-            kwargs[key] = from_dict(sub, value)
-        else:
-            kwargs[key] = value
+        sub = section_type(cls, names[key]) if isinstance(value, dict) else None
+        kwargs[key] = from_dict(sub, value, where=where) if sub is not None else value
     return cls(**kwargs)
+
+
+def section_type(cls: type, f: dataclasses.Field) -> type | None:
+    """The config class a field holds (a section, or an optional one: `X | None`)."""
+    sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+    if sub is not None and not isinstance(sub, type):
+        sub = type(sub())   # a factory function with non-default values: its class
+    if sub is not None and dataclasses.is_dataclass(sub):
+        return sub
+    hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        classes = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        return classes[0] if len(classes) == 1 else None
+    return None
 
 
 def save_json(cfg: Any, path: Path) -> None:
@@ -70,4 +85,4 @@ def save_json(cfg: Any, path: Path) -> None:
 
 def load_json(cls: type, path: Path) -> Any:
     """A config `save_json` wrote (a run directory's config.json), as `cls`."""
-    return from_dict(cls, json.loads(Path(path).read_text()))
+    return from_dict(cls, json.loads(Path(path).read_text()), where=str(path))

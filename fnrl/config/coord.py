@@ -4,6 +4,9 @@ model, routing, sync, migration, repack and balancing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
 
 from fnrl.config.base import check
 
@@ -150,10 +153,14 @@ class CoordinatorConfig:
     """Which rewarded groups a Consume trains when more than a batch are ready:
     fnrl.policy.samplers.SAMPLERS ("fifo": arrival order; "oldest_version"; "protocol":
     the head buffer as StaleFlow's protocol filled it, no sampler)."""
-    use_repack: bool = False
-    repack: RepackConfig = field(default_factory=RepackConfig)
-    use_balance: bool = False
-    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    # Off when absent. On the command line `coord.repack:on` / `coord.repack:off`, then
+    # `--coord.repack.FIELD` (tyro's subcommands for an optional section).
+    repack: (Annotated[RepackConfig, tyro.conf.subcommand("on")]
+             | Annotated[None, tyro.conf.subcommand("off")]) = None
+    """Laminar's dynamic repack of long-tail trajectories (fnrl.policy.repack)."""
+    balance: (Annotated[BalanceConfig, tyro.conf.subcommand("on")]
+              | Annotated[None, tyro.conf.subcommand("off")]) = None
+    """OrchestrRL's reactive request balancing (fnrl.policy.balance)."""
     pool_fsync: bool = False
     """fsync every partial-response record (survives power loss, not just a crash)."""
 

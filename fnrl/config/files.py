@@ -20,6 +20,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from fnrl.config.base import section_type
+from fnrl.config.renamed import upgrade
+
 
 def read_config_file(path: str | Path) -> dict:
     """The nested mapping a `.json`, `.yaml` or `.yml` file holds (dotted keys expanded)."""
@@ -105,6 +108,7 @@ def overlay(cfg: Any, data: dict, *, where: str = "config", prefix: str = "") ->
     if not isinstance(data, dict):
         raise ValueError(f"{where}: {prefix.rstrip('.') or 'the file'} must be a mapping of "
                          f"fields, not {data!r}")
+    data = upgrade(type(cfg).__name__, data, where=where, prefix=prefix)
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     hints = typing.get_type_hints(type(cfg))
     unknown = sorted(set(data) - set(fields))
@@ -115,18 +119,24 @@ def overlay(cfg: Any, data: dict, *, where: str = "config", prefix: str = "") ->
     changes = {}
     for key, value in data.items():
         current, path = getattr(cfg, key), prefix + key
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+        section = section_type(type(cfg), fields[key])
+        if section is None:
+            changes[key] = coerce(value, hints[key], where=where, path=path)
+        elif isinstance(value, dict):
+            # An optional section that is off (None) is turned on with these fields.
+            base = current if current is not None else section()
             try:
-                changes[key] = overlay(current, value, where=where, prefix=path + ".")
+                changes[key] = overlay(base, value, where=where, prefix=path + ".")
             except ValueError as err:   # a section's own check, named with the file once
                 if str(err).startswith(where):
                     raise
                 raise ValueError(f"{where}: {err}") from None
-        elif dataclasses.is_dataclass(current) or dataclasses.is_dataclass(hints[key]):
-            raise ValueError(f"{where}: {path} is a section; give it a mapping of fields, "
-                             f"not {value!r}")
+        elif value is None and type(None) in typing.get_args(hints[key]):
+            changes[key] = None   # an optional section switched off
         else:
-            changes[key] = coerce(value, hints[key], where=where, path=path)
+            off = " (or null for off)" if type(None) in typing.get_args(hints[key]) else ""
+            raise ValueError(f"{where}: {path} is a section; give it a mapping of fields{off}, "
+                             f"not {value!r}")
     try:
         return dataclasses.replace(cfg, **changes)
     except ValueError as err:

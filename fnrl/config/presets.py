@@ -19,7 +19,7 @@ same metrics (fnrl.control.report.COUNT_KEYS, staleness histogram, idle ratios, 
   fnrl             StaleFlow's coordination plus OrchestrRL's balancer, with η = 2.
                    Laminar's repack is not in it: on every simulated setup it did not
                    help (docs/simulation.md, "fnrl's mechanisms"), since lazy sync and
-                   migration already free a rollout held by long tails; `--coord.use-repack`
+                   migration already free a rollout held by long tails; `coord.repack:on`
                    adds it.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fnrl.config.coord import CoordinatorConfig, RoutingConfig
+from fnrl.config.coord import BalanceConfig, CoordinatorConfig, RepackConfig, RoutingConfig
 from fnrl.config.run import RunConfig
 
 
@@ -53,7 +53,7 @@ def partial_rollout(cfg: RunConfig) -> RunConfig:
 
 def laminar(cfg: RunConfig) -> RunConfig:
     return _coord(cfg, "laminar", eta=4, routing=RoutingConfig(sync="on_idle", migrate=False),
-                  use_repack=True)
+                  repack=RepackConfig())
 
 
 def staleflow(cfg: RunConfig) -> RunConfig:
@@ -62,7 +62,7 @@ def staleflow(cfg: RunConfig) -> RunConfig:
 
 def fnrl(cfg: RunConfig) -> RunConfig:
     return _coord(cfg, "fnrl", eta=2, routing=RoutingConfig(sync="lazy", migrate=True),
-                  use_balance=True)
+                  balance=BalanceConfig())
 
 
 PRESETS: dict[str, Callable[[RunConfig], RunConfig]] = {

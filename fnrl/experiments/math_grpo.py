@@ -57,6 +57,7 @@ from fnrl.data.reward import make_reward
 from fnrl.data.tokenizer import ChatTokenizer
 from fnrl.data.tool_arith import ToolPromptStream, tool_eval_problems
 from fnrl.config.presets import DEFAULT_PRESET, apply_preset
+from fnrl.config.renamed import upgrade_argv
 from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resolve_cost_file
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
@@ -407,13 +408,17 @@ def config_from_mapping(data: dict, *, where: str) -> RunConfig:
     return overlay(start, data, where=where)
 
 
+# An optional section's subcommand (`coord.repack:on`) may sit anywhere among the flags.
+CLI = (tyro.conf.CascadeSubcommandArgs,)
+
+
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     """The preset's config (`--preset`, default fnrl), or the file `--config FILE` names
     (a run's config.json or YAML; fnrl.config.files), then the sampling values of the
     model's generation_config.json (temperature, top_p, top_k) for those neither the
     file nor a flag sets, then every flag: a flag wins over the file, the file over
     the model's generation_config.json, that over fnrl's defaults."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = upgrade_argv(list(sys.argv[1:] if argv is None else argv))
     argv, config_path = _flag_value(argv, "--config")
     _, preset_flag = _flag_value(argv, "--preset")
     file_data: dict = {}
@@ -421,7 +426,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
         default, file_data = file_config(config_path, preset_flag)
     else:
         default = apply_preset(preset_flag or DEFAULT_PRESET)
-    cfg = tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
+    cfg = tyro.cli(RunConfig, args=argv, default=default, description=__doc__, config=CLI)
     generation = read_generation_config(cfg.model.model_dir) if cfg.model.model_dir else None
     model_sampling = {k: v for k, v in sampling_defaults(generation or {}).items()
                       if k not in file_data.get("algo", {})}
@@ -430,7 +435,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     # Parsed again over defaults holding the model's values, so only flags override them.
     default = dataclasses.replace(default, algo=dataclasses.replace(default.algo,
                                                                     **model_sampling))
-    return tyro.cli(RunConfig, args=argv, default=default, description=__doc__)
+    return tyro.cli(RunConfig, args=argv, default=default, description=__doc__, config=CLI)
 
 
 def main(argv: list[str] | None = None) -> int:

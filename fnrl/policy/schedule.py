@@ -37,8 +37,7 @@ def cycle_config(coord: CoordinatorConfig, *, batch_groups: int, prompt_groups: 
         staleness=st.StalenessConfig(eta=coord.eta, batch_size=batch_groups,
                                      stuck_timeout_s=coord.stuck_timeout_s or None),
         routing=coord.routing, cost=coord.cost, sampler=coord.sampler,
-        repack=coord.repack if coord.use_repack else None,
-        balance=coord.balance if coord.use_balance else None,
+        repack=coord.repack, balance=coord.balance,
         prompt_groups=prompt_groups)
 
 

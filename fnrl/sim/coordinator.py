@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fnrl.config import CostModel
+from fnrl.config import BalanceConfig, CostModel, RepackConfig
 from fnrl.config.presets import apply_preset
 from fnrl.policy import schedule
 from fnrl.sim import costs
@@ -24,9 +24,9 @@ def _switch(coord, name: str, on: bool):
     (every waiting trajectory routed at once, by count; the engines queue)."""
     routing = coord.routing
     if name == "repack":
-        return dataclasses.replace(coord, use_repack=on)
+        return dataclasses.replace(coord, repack=(coord.repack or RepackConfig()) if on else None)
     if name == "balance":
-        return dataclasses.replace(coord, use_balance=on)
+        return dataclasses.replace(coord, balance=(coord.balance or BalanceConfig()) if on else None)
     if name == "migration":
         return dataclasses.replace(coord, routing=dataclasses.replace(routing, migrate=on))
     if name == "lazy_sync":
