@@ -182,3 +182,31 @@ def test_old_switches_still_load_with_a_warning_naming_the_new_spelling(tmp_path
     err = capsys.readouterr().err
     assert "--coord.use-repack is deprecated; write coord.repack:on" in err
     assert "--coord.no-use-balance is deprecated; write coord.balance:off" in err
+
+
+def test_moved_fields_still_load_from_old_files_and_flags(tmp_path, capsys):
+    """Fields moved to where their concern lives (fnrl.config.renamed.MOVED) and the
+    kills list that became the fault-injection section, in an old config.json and as
+    old flags."""
+    old = to_dict(RunConfig())
+    old |= {"eval_every": 3, "trainer_timeout_s": 99.0}
+    del old["eval"]["every"], old["trainer"]["call_timeout_s"], old["fsync_logs"]
+    old["coord"]["pool_fsync"] = True
+    old["faults"] |= {"inject": ["rollout0:at=2"], "seed": 5, "inject_bad_logprobs": 4,
+                      "inject_noise": 1.0, "inject_corrupt_publish": 0,
+                      "inject_logprob_shift": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = parse_config(["--config", str(tmp_path / "config.json")])
+    assert (cfg.eval.every, cfg.trainer.call_timeout_s, cfg.fsync_logs) == (3, 99.0, True)
+    assert cfg.faults.inject.kills == ("rollout0:at=2",)
+    assert (cfg.faults.inject.seed, cfg.faults.inject.bad_logprobs) == (5, 4)
+    err = capsys.readouterr().err
+    for old_key, new_key in (("eval_every", "eval.every"), ("coord.pool_fsync", "fsync_logs"),
+                             ("faults.inject", "faults.inject.kills"),
+                             ("faults.inject_bad_logprobs", "faults.inject.bad_logprobs")):
+        assert f"{old_key} is deprecated; write {new_key}" in err
+    cfg = parse_config(["--eval-every=4", "--faults.inject", "relay0:at=3", "--coord.pool-fsync",
+                        "--trainer-timeout-s", "7"])
+    assert (cfg.eval.every, cfg.trainer.call_timeout_s, cfg.fsync_logs) == (4, 7.0, True)
+    assert cfg.faults.inject.kills == ("relay0:at=3",)
+    assert "--eval-every is deprecated; write --eval.every" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from fnrl.config.distributed import DistributedConfig
 from fnrl.config.coord import (SAMPLER_NAMES, SYNC_MODES, BalanceConfig, CoordinatorConfig,
                                CostModel, RepackConfig, RoutingConfig)
 from fnrl.config.eval import EVAL_SERVERS, EvalConfig
-from fnrl.config.faults import FaultConfig, Injection, parse_injection
+from fnrl.config.faults import FaultConfig, FaultInjection, Injection, parse_injection
 from fnrl.config.gates import GATE_RULE_NAMES, GatesConfig
 from fnrl.config.lora import LORA_TARGETS, LoraConfig
 from fnrl.config.relay import MIB, RelayConfig
@@ -29,7 +29,8 @@ __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "CORRECTION_NAMES", "KL_ESTIMATOR_NAMES",
     "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
     "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "DistributedConfig",
-    "EVAL_SERVERS", "EvalConfig", "FaultConfig", "GATE_RULE_NAMES", "GatesConfig",
+    "EVAL_SERVERS", "EvalConfig", "FaultConfig", "FaultInjection", "GATE_RULE_NAMES",
+    "GatesConfig",
     "Injection", "LORA_TARGETS", "LoraConfig", "MeshConfig",
     "ModelConfig", "RelayConfig", "RepackConfig", "RolloutConfig", "RoutingConfig", "RunConfig",
     "TaskConfig", "TrainerConfig", "WarmStartConfig", "accept_name", "check", "finite",

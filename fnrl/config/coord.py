@@ -161,8 +161,6 @@ class CoordinatorConfig:
     balance: (Annotated[BalanceConfig, tyro.conf.subcommand("on")]
               | Annotated[None, tyro.conf.subcommand("off")]) = None
     """OrchestrRL's reactive request balancing (fnrl.policy.balance)."""
-    pool_fsync: bool = False
-    """fsync every partial-response record (survives power loss, not just a crash)."""
 
     def __post_init__(self):
         check(self.eta >= 0, "CoordinatorConfig", "eta", self.eta, "must be >= 0")

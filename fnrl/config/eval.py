@@ -12,7 +12,7 @@ EVAL_SERVERS = ("dedicated", "rollout", "off")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Every `eval_every`-th version (RunConfig.eval_every) is scored on the held-out set:
+    """Every `every`-th version is scored on the held-out set:
     greedy accuracy, plus pass@k and mean@k over `samples` draws per problem at the run's
     sampling settings (algo.temperature, top_p, top_k), each draw seeded so that the same
     weights give the same record.
@@ -28,6 +28,8 @@ class EvalConfig:
     """
 
     server: Literal["dedicated", "rollout", "off"] = "dedicated"
+    every: int = 10
+    """Score every this many versions (version 0 and the last are always scored)."""
     samples: int = 0
     """Sampled responses per problem (k of pass@k and mean@k); 0: greedy accuracy only.
     Off by default: on a 2-core laptop k = 4 makes each evaluation of the default run
@@ -44,4 +46,4 @@ class EvalConfig:
         check(isinstance(self.samples, int) and self.samples >= 0, "EvalConfig", "samples",
               self.samples, "must be an int >= 0 (0: greedy accuracy only)")
         check(self.seed >= 0, "EvalConfig", "seed", self.seed, "must be >= 0")
-        positive(self, "max_num_seqs")
+        positive(self, "max_num_seqs", "every")

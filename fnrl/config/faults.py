@@ -2,10 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fnrl.config.base import check, positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultInjection:
+    """Faults injected on purpose, to test detection, recovery and the gates."""
+
+    kills: tuple[str, ...] = ()
+    """Each `ROLE:every=N[:at=K][:phase=train|generate][:signal=kill|stop]`: SIGKILL (or
+    SIGSTOP: a hang, which only detection windows find) the role (trainer, rollout<i>,
+    relay<i>, controller) at step K, K+N, ... (K defaults to N) during the given phase
+    (default: train for the trainer, generate otherwise)."""
+    seed: int = 0
+    """Seed of the delay into the phase at which an injected kill lands."""
+    corrupt_publish: int = 0
+    """The trainer publishes the weights of this version (> 0) with Gaussian noise of
+    `noise` × each tensor's std added, so rollouts sample from wrong weights while the
+    trainer keeps true ones (tests of the gates, fnrl.policy.gates)."""
+    noise: float = 1.0
+    bad_logprobs: int = 0
+    """The controller records wrong behaviour log-probs (each shifted by uniform noise in
+    [-logprob_shift, 0]) in the batch that trains this version (> 0). A learning rate
+    100x too high needs no flag: it is `--algo.learning-rate`."""
+    logprob_shift: float = 2.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "kills", tuple(self.kills))   # a JSON list reads back
+        for name in ("corrupt_publish", "bad_logprobs"):
+            check(getattr(self, name) >= 0, "FaultInjection", name, getattr(self, name),
+                  "must be >= 0 (0: off)")
+        positive(self, "noise", "logprob_shift")
+        for spec in self.kills:
+            parse_injection(spec)   # a bad spec is named before anything starts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,30 +68,10 @@ class FaultConfig:
     """Keep a warm spare trainer (built, compiled, waiting) that takes over a failed
     trainer by restoring the newest checkpoint: RobustRL's warm standby (§3.2, a borrowed
     rollout machine), at the cost of a second trainer's memory."""
-    inject: tuple[str, ...] = ()
-    """Fault injection, each `ROLE:every=N[:at=K][:phase=train|generate][:signal=kill|stop]`:
-    SIGKILL (or SIGSTOP: a hang, which only detection windows find) the role (trainer,
-    rollout<i>, relay<i>, controller) at step K, K+N, ... (K defaults to N) during the
-    given phase (default: train for the trainer, generate otherwise)."""
-    seed: int = 0
-    """Seed of the delay into the phase at which an injected kill lands."""
-    inject_corrupt_publish: int = 0
-    """FAULT INJECTION (tests of the gates, fnrl.policy.gates): the trainer publishes the
-    weights of this version (> 0) with Gaussian noise of `inject_noise` × each tensor's
-    std added, so rollouts sample from wrong weights while the trainer keeps true ones."""
-    inject_noise: float = 1.0
-    inject_bad_logprobs: int = 0
-    """FAULT INJECTION: the controller records wrong behaviour log-probs (each shifted by
-    uniform noise in [-inject_logprob_shift, 0]) in the batch that trains this version
-    (> 0). A learning rate 100x too high needs no flag: it is `--algo.learning-rate`."""
-    inject_logprob_shift: float = 2.0
+    inject: FaultInjection = field(default_factory=FaultInjection)
+    """Faults to inject (tests and benchmarks): `--faults.inject.*`."""
 
     def __post_init__(self):
-        object.__setattr__(self, "inject", tuple(self.inject))   # a JSON list reads back
-        for name in ("inject_corrupt_publish", "inject_bad_logprobs"):
-            check(getattr(self, name) >= 0, "FaultConfig", name, getattr(self, name),
-                  "must be >= 0 (0: off)")
-        positive(self, "inject_noise", "inject_logprob_shift")
         positive(self, "trainer_hang_s", "trainer_hang_factor", "trainer_first_step_s",
                  "rollout_stall_s", "heartbeat_timeout_s")
         check(self.policy in ("role", "job"), "FaultConfig", "policy", self.policy,
@@ -67,8 +79,6 @@ class FaultConfig:
         for name in ("max_restart_failures", "max_job_restarts"):
             check(getattr(self, name) >= 0, "FaultConfig", name, getattr(self, name),
                   "must be >= 0")
-        for spec in self.inject:
-            parse_injection(spec)
 
 
 @dataclass(frozen=True)

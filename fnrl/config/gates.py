@@ -1,5 +1,5 @@
 """Configuration of the correctness gates (fnrl.policy.gates); the numerical faults that
-test them are injected with `--faults.inject-*` (fnrl.config.faults).
+test them are injected with `--faults.inject.*` (fnrl.config.faults).
 
 The defaults come from two default `math_grpo` runs (60 and 40 steps, η = 2; see
 docs/gates.md): no rule fires on them, and each threshold sits several times above the

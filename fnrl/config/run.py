@@ -272,6 +272,8 @@ class TrainerConfig:
     (fnrl.trainer.checkpoint)."""
     checkpoint_keep: int = 2
     """Finished checkpoints kept on disk (the oldest are deleted)."""
+    call_timeout_s: float = 600.0
+    """How long the controller waits for the trainer's answer to one call."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (rank > 0) instead of full fine-tuning (fnrl.models.lora)."""
     gpus_per_process: int = 0
@@ -306,7 +308,7 @@ class TrainerConfig:
         check(type(self.pack_max_segments) is int and self.pack_max_segments >= 2, name,
               "pack_max_segments", self.pack_max_segments,
               "must be an int >= 2 (a sequence and a padding tail)")
-        positive(self, "checkpoint_every", "checkpoint_keep")
+        positive(self, "checkpoint_every", "checkpoint_keep", "call_timeout_s")
         check(self.cpu_threads >= 0, name, "cpu_threads", self.cpu_threads,
               "must be >= 0 (0: every CPU the process may use)")
         check(type(self.gpus_per_process) is int and self.gpus_per_process >= 0, name,
@@ -384,7 +386,6 @@ class RunConfig:
 
     preset: str = ""
     steps: int = 40
-    eval_every: int = 10
     seed: int = 0
     deterministic: bool = False
     """Repeatable runs (fnrl.policy.seeding): every vLLM request is seeded from `seed` and
@@ -394,7 +395,9 @@ class RunConfig:
     request apart from the batch."""
     run_dir: str = ""
     resume: bool = True
-    trainer_timeout_s: float = 600.0
+    fsync_logs: bool = False
+    """fsync every record of the controller's journal and partial response pool (survives
+    power loss, not just a crash)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -412,7 +415,7 @@ class RunConfig:
     gates: GatesConfig = field(default_factory=GatesConfig)
 
     def __post_init__(self):
-        positive(self, "steps", "eval_every", "trainer_timeout_s")
+        positive(self, "steps")
         # A decaying learning rate ends at the run's last step, after its warmup.
         check(self.algo.lr_schedule == "constant" or self.steps > self.algo.lr_warmup_steps,
               "RunConfig", "algo.lr_warmup_steps", self.algo.lr_warmup_steps,

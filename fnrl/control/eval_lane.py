@@ -1,14 +1,14 @@
 """Held-out evaluation pinned to a version, on a server of its own.
 
 The eval lane is one task beside the loop. When the trainer returns version v and v is
-due (every `eval_every`-th version, see `next_due`), the evaluation server loads exactly
+due (every `eval.every`-th version, see `next_due`), the evaluation server loads exactly
 version v from the relay tier (`EvalServerHandle.pull_version`) and scores the held-out
 set on it (`score_heldout`): greedy accuracy, pass@k and mean@k. Nothing waits for it:
 the trainer goes on training, and the rollouts pull from the relays as before (no rollout
 ever serves an evaluation, so none of their pulls waits on one). A version that falls
 due while the lane is busy is evaluated when it is free if the relays still hold it
-(their newest `relay.keep_versions`), else the newest is; a multiple of `eval_every`
-passed over that way is counted (`evals_skipped`): a lane slower than `eval_every`
+(their newest `relay.keep_versions`), else the newest is; a multiple of `eval.every`
+passed over that way is counted (`evals_skipped`): a lane slower than `eval.every`
 steps evaluates what it can rather than falling behind.
 
 `score_heldout` is shared by the lane, by evaluation on a rollout
@@ -160,7 +160,7 @@ class EvalLane:
         """The trainer returned `version` (published to the relays before it returned)."""
         if self.lost:
             return
-        target, due = next_due(version, self.due, self.cfg.eval_every, busy=self.busy,
+        target, due = next_due(version, self.due, self.cfg.eval.every, busy=self.busy,
                                held=self.cfg.relay.keep_versions)
         if target is not None:
             # A version that fell due while the lane was busy is evaluated now if the
@@ -171,7 +171,7 @@ class EvalLane:
 
     def _passed_over(self, upto: int) -> None:
         """Counts the due versions below `upto` that will not be evaluated."""
-        self.book.counts["evals_skipped"] += len(range(self.due, upto, self.cfg.eval_every))
+        self.book.counts["evals_skipped"] += len(range(self.due, upto, self.cfg.eval.every))
 
     async def finish(self, version: int) -> None:
         """At the start and the end: the evaluation under way lands, then `version` is
@@ -181,7 +181,7 @@ class EvalLane:
         if not self.lost and version not in self.book.evaluated_versions:
             self._passed_over(version)   # due while the lane was busy, never evaluated
             await self._evaluate(version)
-        self.due = max(self.due, version - version % self.cfg.eval_every + self.cfg.eval_every)
+        self.due = max(self.due, version - version % self.cfg.eval.every + self.cfg.eval.every)
 
     async def _evaluate(self, version: int) -> None:
         t0 = self.svc.clock.now()

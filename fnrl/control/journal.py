@@ -21,7 +21,7 @@ happened) is dropped and cut off before the journal is appended to again; a dama
 record in the middle raises `DamagedRecord` naming the file and byte offset, before any
 role starts (`check`). It is never cut there: the records after it are the only memory
 of groups already trained, and replaying without them would train those groups again.
-One writer (the controller) appends; with `coord.pool_fsync` every record is fsynced
+One writer (the controller) appends; with `fsync_logs` every record is fsynced
 before the action it records, else the OS flushes it (a crash of the controller loses
 nothing written; a crash of the machine may cut the tail, which a resume then reads as
 torn).

@@ -54,10 +54,10 @@ class Controller:
         self.log = log or tqdm.write
         self.svc = Services(clock or MonotonicClock())
         self.table = TrajectoryTable()
-        self.pool = PartialResponsePool(run_dir / "partial_responses.log", fsync=cfg.coord.pool_fsync)
+        self.pool = PartialResponsePool(run_dir / "partial_responses.log", fsync=cfg.fsync_logs)
         path = run_dir / "journal.jsonl"
         self.replayed = journal.replay(path, trainer_version=trainer_version)
-        self.journal = journal.Journal(path, fsync=cfg.coord.pool_fsync)
+        self.journal = journal.Journal(path, fsync=cfg.fsync_logs)
         steps = max(trainer_version, self.replayed.trained_steps)
         self.book = Book(trainer_version=trainer_version, steps_done=steps)
         recovery.count_pool_recovery(self.pool, self.book.counts, self.log)
@@ -67,7 +67,7 @@ class Controller:
         self._eval_on_rollouts = cfg.eval.server != "off" and roles.evaluator is None
         self.plan = schedule.plan(cfg.coord, batch_groups=cfg.algo.groups_per_step,
                                   prompt_groups=cfg.rollout.groups_per_batch, total_steps=cfg.steps,
-                                  eval_every=(cfg.eval_every if self._eval_on_rollouts
+                                  eval_every=(cfg.eval.every if self._eval_on_rollouts
                                               else schedule.NEVER))
         self.state: schedule.ScheduleState | None = None
         self.supervisor = Supervisor(cfg.faults, roles, book=self.book, svc=self.svc, run_dir=run_dir)

@@ -21,7 +21,7 @@ on each decision):
 - `RestartJob`: raised as JobRestart to the job runner, which restarts every role from
   the checkpoint and the controller's journal.
 
-It also injects faults (`--faults.inject`) and keeps every outage, from which the
+It also injects faults (`--faults.inject.kills`) and keeps every outage, from which the
 report computes the effective training time ratio (fnrl.control.report.ettr).
 """
 
@@ -81,10 +81,10 @@ class Supervisor:
         self.history = F.FaultHistory()
         self.watches: dict[str, Watch] = {}
         self.outages: list[Outage] = []
-        self.injections = tuple(F.parse_injection(s) for s in cfg.inject)
+        self.injections = tuple(F.parse_injection(s) for s in cfg.inject.kills)
         F.check_injections(self.injections, roles.names())
         self.pending_kills: dict[str, float] = {}   # role -> when an injected fault landed
-        self._rng = np.random.default_rng(cfg.seed)
+        self._rng = np.random.default_rng(cfg.inject.seed)
         self._relay_events_seen = 0
         self._restarts: set[asyncio.Task] = set()
         self._replacing: set[str] = set()   # relays whose replacement is under way

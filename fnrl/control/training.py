@@ -39,7 +39,7 @@ class TrainWatch(Protocol):
 
 
 def corrupt_logprobs(arrays: dict, shift: float, *, seed: int) -> dict:
-    """FAULT INJECTION (`--faults.inject-bad-logprobs`): the behaviour log-probs recorded
+    """FAULT INJECTION (`--faults.inject.bad-logprobs`): the behaviour log-probs recorded
     for a batch, each lowered by uniform noise in [0, shift] on response tokens."""
     rng = np.random.default_rng(seed)
     logp = arrays["behaviour_logp_BxT"]
@@ -106,8 +106,8 @@ class Training:
         arrays, stats = make_batch(groups, b.trainer_version, algo=self.cfg.algo,
                                    trainer=self.cfg.trainer, seq_len=self.task.seq_len,
                                    pad_id=self.task.pad_id, episodes=self.cfg.task.env != "math")
-        if cmd.version + 1 == self.cfg.faults.inject_bad_logprobs:
-            arrays = corrupt_logprobs(arrays, self.cfg.faults.inject_logprob_shift,
+        if cmd.version + 1 == self.cfg.faults.inject.bad_logprobs:
+            arrays = corrupt_logprobs(arrays, self.cfg.faults.inject.logprob_shift,
                                       seed=self.cfg.seed)
         rollback, controls = -1, {}
         if self.gating is not None:

@@ -123,7 +123,7 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
 async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO) -> dict:
     """One attempt: the trainer restores and publishes, the servers come up, the
     controller runs over handles to the roles, and the trainer shuts down."""
-    trainer = LocalTrainer(cluster, timeout_s=cfg.trainer_timeout_s,
+    trainer = LocalTrainer(cluster, timeout_s=cfg.trainer.call_timeout_s,
                            standby=cfg.faults.trainer_standby)
     t0 = time.perf_counter()
     version, resumed_from = await trainer.init()
@@ -251,7 +251,7 @@ def run(cfg: RunConfig) -> dict:
     from the newest checkpoint and the controller's journal, up to
     `faults.max_job_restarts` times. The summary covers every attempt of the run
     (fnrl.control.report.across_attempts), a controller killed and re-run included."""
-    check_injections(tuple(parse_injection(s) for s in cfg.faults.inject), role_names(cfg))
+    check_injections(tuple(parse_injection(s) for s in cfg.faults.inject.kills), role_names(cfg))
     # Owner-only files (--cluster.share-run-dir: the group may read) for the controller
     # and every role it starts; put back when the job ends (main may run in a test).
     previous_mask = os.umask(cfg.cluster.file_mask)

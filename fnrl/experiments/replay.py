@@ -107,8 +107,8 @@ def rebuild_batch(step: Step, cfg: RunConfig, *, seq_len: int, pad_id: int) -> d
     in the same order, with the same injected fault and controls."""
     arrays, _ = make_batch(step.groups, step.version, algo=cfg.algo, trainer=cfg.trainer,
                            seq_len=seq_len, pad_id=pad_id)
-    if step.version + 1 == cfg.faults.inject_bad_logprobs:
-        arrays = corrupt_logprobs(arrays, cfg.faults.inject_logprob_shift, seed=cfg.seed)
+    if step.version + 1 == cfg.faults.inject.bad_logprobs:
+        arrays = corrupt_logprobs(arrays, cfg.faults.inject.logprob_shift, seed=cfg.seed)
     for key, value in step.controls.items():
         if not key.startswith(PREFIX):
             raise ReplayError(f"version {step.version}: unknown control {key!r}")

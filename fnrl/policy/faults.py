@@ -196,5 +196,5 @@ def check_injections(injections: tuple[Injection, ...], role_names: tuple[str, .
     known = set(role_names) | {"controller"}
     for inj in injections:
         if inj.role not in known:
-            raise ValueError(f"--faults.inject names {inj.role!r}, but this job's roles are "
+            raise ValueError(f"--faults.inject.kills names {inj.role!r}, but this job's roles are "
                              f"{', '.join(sorted(known))}")

@@ -383,7 +383,7 @@ def _unless_no_space(action) -> BaseException | None:
 
 def corrupt_weights(weights: dict[str, np.ndarray], noise: float, *, seed: int
                     ) -> dict[str, np.ndarray]:
-    """FAULT INJECTION (`--faults.inject-corrupt-publish`): every tensor plus Gaussian
+    """FAULT INJECTION (`--faults.inject.corrupt-publish`): every tensor plus Gaussian
     noise of `noise` × its own std, the kind of damage a bad weight transfer does."""
     rng = np.random.default_rng(seed)
     return {k: (v + noise * float(np.std(v.astype(np.float32)))
@@ -471,8 +471,8 @@ def serve(args: argparse.Namespace) -> None:
                 tell({"cmd": "train"}, arrays)
                 trainer.note_batch_spec(arrays)
                 metrics, weights = trainer.train(arrays)
-                if weights is not None and trainer.version == cfg.faults.inject_corrupt_publish:
-                    weights = corrupt_weights(weights, cfg.faults.inject_noise, seed=cfg.seed)
+                if weights is not None and trainer.version == cfg.faults.inject.corrupt_publish:
+                    weights = corrupt_weights(weights, cfg.faults.inject.noise, seed=cfg.seed)
                     metrics["fault/corrupt_publish"] = 1.0
                 t0 = time.perf_counter()
                 if weights is not None:

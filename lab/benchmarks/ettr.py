@@ -8,7 +8,7 @@ whole-job-restart baseline, in rounds of this script (RobustRL §5, §7).
 Real runs of the main job (real vLLM, relays, trainer; real SIGKILLs), one after another
 on this machine, each config once a round:
   clean      no fault: the job's wall time without failures;
-  role       `--faults.inject trainer:every=K`: the trainer is killed at a random point of
+  role       `--faults.inject.kills trainer:every=K`: the trainer is killed at a random point of
              every K-th step and only it restarts (from the step's checkpoint) while the
              rollouts keep generating;
   standby    the same, with `--faults.trainer-standby`: a warm spare trainer takes over;
@@ -62,7 +62,7 @@ NAMES = {"clean": "no fault", "role": "role restart", "standby": "role + standby
 
 def config_flags(name: str, kill_every: int) -> list[str]:
     """The main job's flags that make `name` (beside the shared --steps)."""
-    kill = ["--faults.inject", f"trainer:every={kill_every}"]
+    kill = ["--faults.inject.kills", f"trainer:every={kill_every}"]
     return {"clean": [], "role": kill, "standby": [*kill, "--faults.trainer-standby"],
             "job": [*kill, "--faults.policy", "job", "--faults.max-job-restarts", "1000"]}[name]
 
@@ -111,8 +111,8 @@ def ettr_eval_charged(summary: dict) -> float:
 
 def _parts(out: Path, extra: list[str]) -> None:
     run = run_job("parts", out, [
-        "--steps", "12", "--eval-every", "100", "--rollout.num-servers", "2",
-        "--relay.num-relays", "3", "--faults.inject", "rollout1:at=4", "relay1:at=7",
+        "--steps", "12", "--eval.every", "100", "--rollout.num-servers", "2",
+        "--relay.num-relays", "3", "--faults.inject.kills", "rollout1:at=4", "relay1:at=7",
         "relay0:at=10", *extra])
     for e in _recoveries(run["events"], "rollout"):
         over = e["since_detected_s"] - e["server_start_s"]

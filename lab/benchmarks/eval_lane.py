@@ -7,7 +7,7 @@ within noise against evaluation off").
     python -m lab.benchmarks.eval_lane --out DIR --only 2          # round 2; the report covers
                                                                # every round found in DIR
 
-Every run is `python -m fnrl.experiments.math_grpo --steps 20 --eval-every 5
+Every run is `python -m fnrl.experiments.math_grpo --steps 20 --eval.every 5
 --trainer.checkpoint-keep 30 --eval.server dedicated|off` (plus anything after `--`), the
 same job seed in every run. Method (lab/benchmarks/rounds.py): each round runs both sides once,
 in an order that alternates within every pair of rounds; per side, the trainer's idle
@@ -31,7 +31,7 @@ from fnrl.control.metrics import read_jsonl
 from lab.benchmarks.rounds import Spread, environment, load, round_orders
 
 SIDES = ("dedicated", "off")
-JOB = ["--steps", "20", "--eval-every", "5", "--trainer.checkpoint-keep", "30"]
+JOB = ["--steps", "20", "--eval.every", "5", "--trainer.checkpoint-keep", "30"]
 
 
 def run_side(side: str, run_dir: Path, extra: list[str]) -> dict:

@@ -93,7 +93,7 @@ def main() -> int:
     for i, flag in enumerate(args.extra[:-1]):
         if flag == "--algo.learning-rate":
             lr = float(args.extra[i + 1])
-    common = ["--steps", str(args.steps), "--eval-every", str(args.steps), "--seed",
+    common = ["--steps", str(args.steps), "--eval.every", str(args.steps), "--seed",
               str(args.seed), "--no-resume", *args.extra]
     arms = {"full": common,
             f"lora r{args.rank}": [*common, "--trainer.lora.rank", str(args.rank),

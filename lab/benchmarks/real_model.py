@@ -159,7 +159,7 @@ def main() -> int:
         data.write_text("".join(json.dumps(r) + "\n" for r in gsm8k_rows(64)))
         run_dir = work / "run"
         argv = [sys.executable, "-m", "fnrl.experiments.math_grpo", "--preset", "laminar",
-                "--steps", str(args.steps), "--eval-every", str(10 * args.steps),
+                "--steps", str(args.steps), "--eval.every", str(10 * args.steps),
                 "--run-dir", str(run_dir), "--no-resume", "--model.model-dir", str(model_dir),
                 "--task.dataset", str(data), "--task.prompt-key", "question",
                 "--task.num-eval", "4", "--algo.group-size", str(args.group_size),

@@ -89,7 +89,8 @@ def test_next_due_evaluates_a_due_version_when_free_then_the_next_multiple(v, du
 
 
 def test_every_record_names_its_version_its_tokens_and_the_weights_that_scored_it(tmp_path):
-    cfg = dataclasses.replace(make_cfg(), eval=EvalConfig(samples=4))
+    cfg = make_cfg()
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, samples=4))
     roles = lane_roles()
     _, summary = run(cfg, roles, tmp_path)
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
@@ -123,7 +124,7 @@ def test_the_trainer_never_waits_on_a_slow_evaluation(tmp_path):
     roles = lane_roles(gate)
     relays_seen["r"] = roles.relays
     cfg = make_cfg(steps=STEPS)
-    cfg = dataclasses.replace(cfg, eval_every=2)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=2))
     _, summary = run(cfg, roles, tmp_path)
     evals = [r["version"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
     assert roles.evaluator.scored_at[2] == STEPS
@@ -148,7 +149,7 @@ def test_a_version_due_while_the_lane_is_busy_is_evaluated_when_free_and_not_cou
     roles = lane_roles(gate)
     relays_seen["r"] = roles.relays
     cfg = make_cfg(steps=STEPS)
-    cfg = dataclasses.replace(cfg, eval_every=2,
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=2),
                               relay=dataclasses.replace(cfg.relay, keep_versions=3))
     _, summary = run(cfg, roles, tmp_path)
     evals = [r["version"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
@@ -176,7 +177,7 @@ def test_rollout_lane_and_off(tmp_path):
     (tmp_path / "rollout").mkdir()
     (tmp_path / "off").mkdir()
     cfg = make_cfg()
-    on_rollouts = dataclasses.replace(cfg, eval=EvalConfig(server="rollout", samples=2))
+    on_rollouts = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, server="rollout", samples=2))
     relays = FakeRelays()
     roles = Roles(trainer=FakeTrainer(relays), rollouts=[FakeRollout(r, relays) for r in range(2)],
                   relays=relays)

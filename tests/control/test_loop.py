@@ -17,6 +17,7 @@ from fnrl.control.metrics import MetricsWriter, plot_run
 from fnrl.control.metrics import read_jsonl
 from fnrl.control.report import across_attempts
 from fnrl.control.supervisor import RELAY_BACKOFF_S, JobRestart
+from fnrl.config import FaultInjection
 from fnrl.config.presets import apply_preset
 from fnrl.control.journal import records as journal_records
 from fnrl.shell.files import DiskFull, SpaceReserve
@@ -29,11 +30,12 @@ STEPS, GROUPS, G = 6, 2, 4
 def make_cfg(preset: str = "fnrl", *, steps: int = STEPS, inject=(), **faults):
     cfg = apply_preset(preset)
     return dataclasses.replace(
-        cfg, steps=steps, eval_every=3,
+        cfg, steps=steps, eval=dataclasses.replace(cfg.eval, every=3),
         algo=dataclasses.replace(cfg.algo, group_size=G, groups_per_step=GROUPS, max_new_tokens=8),
         rollout=dataclasses.replace(cfg.rollout, num_servers=2, groups_per_batch=GROUPS),
         faults=dataclasses.replace(cfg.faults, trainer_hang_s=30.0, rollout_stall_s=20.0,
-                                   heartbeat_timeout_s=5.0, inject=tuple(inject), **faults))
+                                   heartbeat_timeout_s=5.0,
+                                   inject=FaultInjection(kills=tuple(inject)), **faults))
 
 
 def make_roles(trainer=None, relays=None, rollouts=2, **rollout_kw):

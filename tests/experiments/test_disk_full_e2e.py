@@ -28,7 +28,7 @@ STEPS = 6
 SCRIPT = textwrap.dedent("""\
     set -u
     mount -t tmpfs -o size=400m,mode=0700 tmpfs "$MNT"
-    run() { exec "$PYTHON" -m fnrl.experiments.math_grpo --steps $STEPS --eval-every 100 \\
+    run() { exec "$PYTHON" -m fnrl.experiments.math_grpo --steps $STEPS --eval.every 100 \\
               --run-dir "$MNT/run" --warm-start.cache-dir "$CACHE" $ARGS; }
     (run > "$OUT/first.out" 2> "$OUT/first.err") &
     job=$!

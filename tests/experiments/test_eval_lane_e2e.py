@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_dedicated_lane_scores_pinned_versions_and_matches_stop_the_world(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    assert main(["--steps", "5", "--eval-every", "2", "--run-dir", str(run_dir),
+    assert main(["--steps", "5", "--eval.every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--trainer.checkpoint-keep", "10",
                  "--eval.samples", "2", *SMALL]) == 0
     records = read_jsonl(run_dir / "metrics.jsonl")

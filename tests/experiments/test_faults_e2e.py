@@ -33,7 +33,7 @@ def _events(run_dir):
 
 def _run_two_rollouts(run_dir, cache_dir, steps: int, *flags: str) -> int:
     """The main job, in this process, with two rollouts, the small model and `flags`."""
-    return main(["--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
+    return main(["--steps", str(steps), "--eval.every", "100", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2", *flags,
                  *SMALL])
 
@@ -88,7 +88,7 @@ def test_role_kills_trainer_rollout_and_relays_are_survived(tmp_path, cache_dir)
         # trainer mid-step at 3 and 6; rollout 1 mid-generation at 4; the middle relay
         # at 3 and again at 6 (its replacement); the master relay at 7 (a new master is
         # elected, the trainer follows it).
-        "--faults.inject", "trainer:every=3", "rollout1:at=4", "relay1:every=3",
+        "--faults.inject.kills", "trainer:every=3", "rollout1:at=4", "relay1:every=3",
         "relay0:at=7") == 0
     events = _events(run_dir)
     recovered = {e["role"] for e in events if e["event"] == "recovered"}
@@ -121,8 +121,8 @@ def test_a_killed_controller_resumes_from_its_journal(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     steps = 6
     argv = [sys.executable, "-m", "fnrl.experiments.math_grpo", "--steps", str(steps),
-            "--eval-every", "100", "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir,
-            "--faults.inject", "controller:at=3", *SMALL]
+            "--eval.every", "100", "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir,
+            "--faults.inject.kills", "controller:at=3", *SMALL]
     first = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert first.returncode == -9, first.stderr[-3000:]
     # Every role died with the controller (PR_SET_PDEATHSIG): the second run starts its
@@ -140,7 +140,7 @@ def test_hung_roles_are_found_by_their_detection_windows(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     steps = 6
     assert _run_two_rollouts(run_dir, cache_dir, steps,
-        "--faults.inject", "rollout1:at=2:signal=stop", "trainer:at=4:signal=stop",
+        "--faults.inject.kills", "rollout1:at=2:signal=stop", "trainer:at=4:signal=stop",
         "--faults.rollout-stall-s", "3", "--faults.heartbeat-timeout-s", "2",
         # The hang window must exceed a real step, the first (compiling) one included.
         "--faults.trainer-hang-s", "30") == 0

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(run_dir, cache_dir, steps: int, *flags: str) -> int:
-    return main(["--steps", str(steps), "--eval-every", "100", "--run-dir", str(run_dir),
+    return main(["--steps", str(steps), "--eval.every", "100", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *flags, *SMALL])
 
 
@@ -34,7 +34,7 @@ def _actions(record) -> list[str]:
 
 
 def test_wrong_behaviour_logprobs_are_skipped_at_their_step(tmp_path, cache_dir):
-    assert _run(tmp_path, cache_dir, 6, "--faults.inject-bad-logprobs", "3") == 0
+    assert _run(tmp_path, cache_dir, 6, "--faults.inject.bad-logprobs", "3") == 0
     gates = _gates(tmp_path)
     assert gates and {g["version"] for g in gates} == {3}
     assert {g["rule"] for g in gates} <= {"mismatch_kl", "is_weight", "clip_frac"}
@@ -60,7 +60,7 @@ def test_a_corrupted_publish_is_caught_and_flushed(tmp_path, cache_dir):
     trained at version 2; asynchronously a rollout may skip a version altogether (lazy
     sync), and then nothing trains on the corrupted weights for a gate to see."""
     assert _run(tmp_path, cache_dir, 6, "--preset", "sync",
-                "--faults.inject-corrupt-publish", "2") == 0
+                "--faults.inject.corrupt-publish", "2") == 0
     assert 2 in _trained_versions(tmp_path)
     gates = _gates(tmp_path)
     assert gates, "no gate caught the corrupted weights"

@@ -24,7 +24,7 @@ def test_short_run_serves_new_versions_and_ships_per_token_versions(tmp_path, ca
     versions merged on the rollout (on a fresh version vLLM's log-probs are the trainer's),
     and its export is checked too."""
     run_dir = tmp_path / "run"
-    assert main(["--preset", preset, "--steps", "3", "--eval-every", "2", "--run-dir", str(run_dir),
+    assert main(["--preset", preset, "--steps", "3", "--eval.every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--trainer.lora.rank", str(lora),
                  # An entropy bonus moves the adapters even when every reward is equal
                  # (the small model's usually are: GRPO's advantages are then zero).

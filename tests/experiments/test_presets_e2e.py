@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # A long-tailed workload (forced lognormal lengths) so generation spans train steps.
 LONG_TAIL = [*SMALL, "--model.max-position-embeddings", "128", "--rollout.response-len",
              "lognormal", "--rollout.len-median", "16", "--rollout.len-max", "96",
-             "--algo.max-new-tokens", "96", "--eval-every", "100"]
+             "--algo.max-new-tokens", "96", "--eval.every", "100"]
 GROUP_SIZE = 8
 
 

@@ -89,7 +89,7 @@ def test_a_gsm8k_run_on_a_sharded_chat_model(tmp_path, taught_model):
     assert (model_dir / "model.safetensors.index.json").exists()
     assert not (model_dir / "model.safetensors").exists()
     run_dir = tmp_path / "run"
-    assert main(["--preset", "laminar", "--steps", "2", "--eval-every", "2",
+    assert main(["--preset", "laminar", "--steps", "2", "--eval.every", "2",
                  "--run-dir", str(run_dir), "--model.model-dir", str(model_dir),
                  "--task.dataset", str(data), "--task.prompt-key", "question",
                  "--task.answer-key", "answer", "--task.num-eval", str(EVAL),

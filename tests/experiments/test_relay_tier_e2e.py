@@ -31,9 +31,9 @@ def test_the_tier_carries_every_version_through_a_relay_kill_and_no_gate_fires(t
     steps = 8
     # relay1, rollout 1's home, is SIGKILLed in step 2; the supervisor starts another on
     # its node (this host), which joins the chain and serves once it has caught up.
-    assert main(["--steps", str(steps), "--eval-every", "4", "--run-dir", str(run_dir),
+    assert main(["--steps", str(steps), "--eval.every", "4", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--rollout.num-servers", "2",
-                 "--relay.num-relays", "2", "--faults.inject", "relay1:at=2", *SMALL]) == 0
+                 "--relay.num-relays", "2", "--faults.inject.kills", "relay1:at=2", *SMALL]) == 0
     records = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))

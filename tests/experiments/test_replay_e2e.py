@@ -34,7 +34,7 @@ def runs(tmp_path_factory, cache_dir):
         run_dir = tmp_path_factory.mktemp("replay") / name
         t0 = time.perf_counter()
         assert main(["--preset", "sync", "--deterministic", "--seed", str(seed),
-                     "--steps", str(STEPS), "--eval-every", "100", "--run-dir", str(run_dir),
+                     "--steps", str(STEPS), "--eval.every", "100", "--run-dir", str(run_dir),
                      "--warm-start.cache-dir", cache_dir, *SMALL, *SIGNAL]) == 0
         out[name] = run_dir, time.perf_counter() - t0
     return out

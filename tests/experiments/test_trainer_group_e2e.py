@@ -30,7 +30,7 @@ def _group(run_dir) -> dict:
 
 def test_two_process_trainer_trains_serves_and_restores(tmp_path, cache_dir, capsys):
     run_dir = tmp_path / "run"
-    assert main(["--steps", "3", "--eval-every", "100", "--run-dir", str(run_dir),
+    assert main(["--steps", "3", "--eval.every", "100", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *GROUP, *SMALL]) == 0
     # Two trainer processes joined one group of two, behind the one trainer role.
     group = _group(run_dir)
@@ -51,7 +51,7 @@ def test_two_process_trainer_trains_serves_and_restores(tmp_path, cache_dir, cap
     # The same run directory resumes: a new group restores the checkpoint (and replays
     # the batches logged after it) and goes on from version 3.
     capsys.readouterr()
-    assert main(["--steps", "4", "--eval-every", "100", "--run-dir", str(run_dir),
+    assert main(["--steps", "4", "--eval.every", "100", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, *GROUP, *SMALL]) == 0
     assert "trainer ready at version 3 (resumed from step 3)" in capsys.readouterr().out
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
@@ -63,7 +63,7 @@ def test_a_killed_rank_restarts_the_whole_group_from_its_checkpoint(tmp_path, ca
     steps = 6
     proc = subprocess.Popen(
         [sys.executable, "-m", "fnrl.experiments.math_grpo", "--steps", str(steps),
-         "--eval-every", "100", "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir,
+         "--eval.every", "100", "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir,
          "--rollout.num-servers", "2", *GROUP, *SMALL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -218,8 +218,8 @@ def test_default_run_config_has_gates_and_validates_names():
         GatesConfig(rules=("bogus",))
     with pytest.raises(ValueError, match="lr_factor"):
         GatesConfig(lr_factor=1.5)
-    with pytest.raises(ValueError, match="inject_bad_logprobs"):
-        dataclasses.replace(RunConfig().faults, inject_bad_logprobs=-1)
+    with pytest.raises(ValueError, match="bad_logprobs"):
+        dataclasses.replace(RunConfig().faults.inject, bad_logprobs=-1)
 
 
 figure = st.floats(min_value=0.0, max_value=10.0) | st.just(float("nan"))

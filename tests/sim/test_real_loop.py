@@ -39,7 +39,7 @@ def task() -> TaskIO:
 def real_cfg(preset: str):
     cfg = apply_preset(preset)
     return dataclasses.replace(
-        cfg, steps=2, eval_every=1000,
+        cfg, steps=2, eval=dataclasses.replace(cfg.eval, every=1000),
         algo=dataclasses.replace(cfg.algo, group_size=2, groups_per_step=2, max_new_tokens=3),
         rollout=dataclasses.replace(cfg.rollout, num_servers=1, groups_per_batch=2,
                                     response_len="lognormal", len_median=3, len_sigma=1e-9,
@@ -107,7 +107,7 @@ def test_heap_matches_the_real_loop_under_fnrl(tmp_path, monkeypatch):
     preset, steps = "fnrl", 4
     cfg = apply_preset(preset)
     cfg = dataclasses.replace(
-        cfg, steps=steps, eval_every=1000,
+        cfg, steps=steps, eval=dataclasses.replace(cfg.eval, every=1000),
         algo=dataclasses.replace(cfg.algo, group_size=4, groups_per_step=2, max_new_tokens=24),
         rollout=dataclasses.replace(cfg.rollout, num_servers=2, groups_per_batch=2,
                                     response_len="lognormal", len_median=6, len_sigma=0.8,

@@ -291,7 +291,7 @@ def test_a_two_cell_grid_runs_end_to_end_and_resumes(tmp_path, cache_dir, capsys
 
     flags = dict(zip(SMALL[::2], SMALL[1::2]))          # "--a.b-c": "1" -> "a.b_c": 1
     base = {k[2:].replace("-", "_"): json.loads(v) for k, v in flags.items()}
-    base |= {"steps": 2, "eval_every": 1, "warm_start.cache_dir": cache_dir}
+    base |= {"steps": 2, "eval.every": 1, "warm_start.cache_dir": cache_dir}
     path = tmp_path / "tiny.yaml"
     path.write_text(json.dumps({"name": "tiny", "output": str(tmp_path / "out"),
                                 "warm_compile": True, "base": base,
