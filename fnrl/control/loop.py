@@ -240,23 +240,19 @@ class Controller:
     def act(self, cmd) -> None:
         """Applies `cmd` to the bookkeeping now; its I/O runs as a task."""
         counts, gen = self.book.counts, self.generation
+        report.count_command(counts, cmd)
         if isinstance(cmd, FillPrompts):
             gen.fill(cmd.num_groups)
         elif isinstance(cmd, Route):
             gen.route(cmd.tids, cmd.rid)
-            counts["routed"] += len(cmd.tids)
         elif isinstance(cmd, Interrupt):
             gen.interrupt(cmd.tids, cmd.rid)
-            counts["interrupted"] += len(cmd.tids)
         elif isinstance(cmd, Migrate):
             gen.migrate(cmd.tids, cmd.src, cmd.dst)
-            report.count_migrate(counts, cmd)
         elif isinstance(cmd, Abort):
             gen.abort(cmd.tids, cmd.rid)
-            counts["aborted"] += len(cmd.tids)
         elif isinstance(cmd, DropGroups):
             gen.drop_groups(cmd.gids)
-            counts["dropped_groups"] += len(cmd.gids)
         elif isinstance(cmd, Pull):
             counts["pulls" if gen.pull(cmd.rid) else "pulls_skipped_down"] += 1
         elif isinstance(cmd, Consume):

@@ -21,6 +21,7 @@ from fnrl.control.book import Book
 from fnrl.control.metrics import read_jsonl
 from fnrl.shell.files import DiskFull, SpaceReserve, no_space
 from fnrl.shell.records import append, frame
+from fnrl.types import Abort, DropGroups, Interrupt, Migrate, Route
 
 # Counters every preset reports, so runs compare key for key.
 # migrated: trajectories moved between rollouts; migrations: Migrate commands, of which
@@ -37,11 +38,22 @@ COUNT_KEYS = ("routed", "interrupted", "continued", "migrated", "migrations", "r
               "recovery_pool_discarded_trajectories", "recovery_pool_discarded_tokens")
 
 
-def count_migrate(counts, cmd) -> None:
-    """Counts one Migrate command (fnrl.types.Migrate) by its reason."""
-    counts["migrated"] += len(cmd.tids)
-    counts["migrations"] += 1
-    counts["repacks"] += cmd.reason == "repack"
+def count_command(counts, cmd) -> None:
+    """Counts one placement command as the loop and the simulator both do: routed,
+    interrupted, migrated (with migrations and repacks by reason), aborted trajectories
+    and dropped groups. Pulls are counted where they land (one may be skipped)."""
+    if isinstance(cmd, Route):
+        counts["routed"] += len(cmd.tids)
+    elif isinstance(cmd, Interrupt):
+        counts["interrupted"] += len(cmd.tids)
+    elif isinstance(cmd, Migrate):
+        counts["migrated"] += len(cmd.tids)
+        counts["migrations"] += 1
+        counts["repacks"] += cmd.reason == "repack"
+    elif isinstance(cmd, Abort):
+        counts["aborted"] += len(cmd.tids)
+    elif isinstance(cmd, DropGroups):
+        counts["dropped_groups"] += len(cmd.gids)
 
 
 def account_rollouts(rollouts: Sequence, snap, dt: float, *, trainer_down: bool) -> np.ndarray:

@@ -312,6 +312,7 @@ class Simulation:
 
     def act(self, cmd) -> None:
         counts, tr = self.book.counts, self.trajs
+        report.count_command(counts, cmd)
         if isinstance(cmd, FillPrompts):
             self.fill(cmd.num_groups)
         elif isinstance(cmd, Route):
@@ -323,10 +324,8 @@ class Simulation:
                 self._continues(cmd.rid, tid)
                 self._place(cmd.rid, tid)
             self.dirty_inst.add(cmd.rid)
-            counts["routed"] += len(cmd.tids)
         elif isinstance(cmd, Interrupt):
             self._leave(cmd.rid, cmd.tids)
-            counts["interrupted"] += len(cmd.tids)
         elif isinstance(cmd, Migrate):
             assert self.up[cmd.dst], f"migrated to rollout {cmd.dst}, which is down"
             self._leave(cmd.src, cmd.tids)
@@ -334,14 +333,12 @@ class Simulation:
                 self._continues(cmd.dst, tid)
                 self._place(cmd.dst, tid)
             self.dirty_inst.add(cmd.dst)
-            report.count_migrate(counts, cmd)
         elif isinstance(cmd, Abort):
             if cmd.rid is not None:
                 self._leave(cmd.rid, cmd.tids)
             tr.state[list(cmd.tids)] = GONE
-            counts["aborted"] += len(cmd.tids)
         elif isinstance(cmd, DropGroups):
-            counts["dropped_groups"] += len(cmd.gids)
+            pass   # counted; the simulator keeps no group table to drop from
         elif isinstance(cmd, Pull):
             self.pull(cmd.rid)
         elif isinstance(cmd, Consume):

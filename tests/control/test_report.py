@@ -6,10 +6,11 @@ import pytest
 
 from fnrl.control.generation import RolloutState
 from fnrl.control.book import Book
-from fnrl.control.report import across_attempts, count_migrate, ettr, utilization
+from fnrl.control.report import across_attempts, count_command, ettr, utilization
 from fnrl.control.supervisor import Outage
 from fnrl.control.training import StalenessViolation, check_bound
-from fnrl.types import Group, Migrate, Problem, Segment, Trajectory
+from fnrl.types import (Abort, DropGroups, Group, Interrupt, Migrate, Problem, Pull, Route, Segment,
+                        Trajectory)
 
 
 def test_ettr_counts_every_role_and_rollouts_idled_by_a_trainer_outage():
@@ -71,11 +72,15 @@ def test_the_bound_is_checked_on_every_token():
         check_bound((_group(4, 2),), 5, eta=2)
 
 
-def test_migrations_are_counted_apart_from_repacks():
-    """Balancing and repack both issue Migrate; `repacks` counts only repack's."""
+def test_commands_are_counted_as_the_loop_and_the_simulator_count_them():
+    """Balancing and repack both issue Migrate; `repacks` counts only repack's. Pulls and
+    consumes are counted where they land, not here."""
     from collections import Counter
 
     counts = Counter()
-    for cmd in (Migrate(0, 1, (4, 5)), Migrate(2, 1, (6,), reason="repack"), Migrate(3, 0, (7,))):
-        count_migrate(counts, cmd)
-    assert counts == {"migrated": 4, "migrations": 3, "repacks": 1}
+    for cmd in (Migrate(0, 1, (4, 5)), Migrate(2, 1, (6,), reason="repack"), Migrate(3, 0, (7,)),
+                Route(0, (1, 2)), Interrupt(1, (3,)), Abort(None, (8, 9)), DropGroups((2,)),
+                Pull(0)):
+        count_command(counts, cmd)
+    assert counts == {"migrated": 4, "migrations": 3, "repacks": 1, "routed": 2,
+                      "interrupted": 1, "aborted": 2, "dropped_groups": 1}
