@@ -20,7 +20,7 @@ def test_dedicated_lane_scores_pinned_versions_and_matches_stop_the_world(tmp_pa
     run_dir = tmp_path / "run"
     assert main(["--steps", "5", "--eval.every", "2", "--run-dir", str(run_dir),
                  "--warm-start.cache-dir", cache_dir, "--trainer.checkpoint-keep", "10",
-                 "--eval.samples", "2", *SMALL]) == 0
+                 "--eval.samples", "2", *SMALL, "--eval.server", "dedicated"]) == 0
     records = read_jsonl(run_dir / "metrics.jsonl")
     train = {r["step"]: r for r in records if r["kind"] == "train"}
     evals = [r for r in records if r["kind"] == "eval"]

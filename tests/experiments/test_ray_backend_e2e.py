@@ -40,9 +40,10 @@ def test_roles_run_where_placed_and_pull_from_their_own_nodes_relay(tmp_path, ca
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c", "--",
-         "--steps", "3", "--rollout.num-servers", "2", "--eval.server", "off",
+         "--steps", "3", "--rollout.num-servers", "2",
          "--trainer.distributed.num-processes", "2", "--trainer.distributed.local-devices", "1",
-         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL,
+         "--eval.server", "off"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
@@ -92,8 +93,9 @@ def test_losing_a_node_mid_run_moves_its_rollout_and_loses_no_trajectory(tmp_pat
     proc = subprocess.run(
         [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c",
          "--lose-node", "c", "--lose-after-step", "2", "--",
-         "--steps", "6", "--rollout.num-servers", "2", "--eval.server", "off",
-         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+         "--steps", "6", "--rollout.num-servers", "2",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL,
+         "--eval.server", "off"],
         capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "losing a node after step 2" in proc.stdout
@@ -132,8 +134,9 @@ def test_losing_the_trainers_node_restarts_the_trainer_elsewhere(tmp_path, cache
     proc = subprocess.run(
         [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c",
          "--trainer-node", "b", "--lose-node", "b", "--lose-after-step", "2", "--",
-         "--steps", "6", "--rollout.num-servers", "2", "--eval.server", "off",
-         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL],
+         "--steps", "6", "--rollout.num-servers", "2",
+         "--run-dir", str(run_dir), "--warm-start.cache-dir", cache_dir, *SMALL,
+         "--eval.server", "off"],
         capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     roles = json.loads((run_dir / "roles.json").read_text())
