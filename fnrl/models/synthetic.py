@@ -128,12 +128,18 @@ def math_corpus(n: int = 1500, seed: int = 0) -> list[str]:
 
 
 def build_bpe_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 1024,
-                        corpus: Iterable[str] | None = None) -> Path:
+                        corpus: Iterable[str] | None = None, eos_token: str = ENDOFTEXT,
+                        chat_template: str = CHAT_TEMPLATE,
+                        generation_config: dict | None = None) -> Path:
     """Trains a byte-level BPE (`tokenizers`) on `corpus` (default `math_corpus()`) and
     writes `tokenizer.json` and `tokenizer_config.json` to `out_dir`, with Qwen's special
-    tokens (`<|endoftext|>` as eos and pad, `<|im_start|>`, `<|im_end|>`) as the last
-    three ids and Qwen's ChatML `chat_template`. Loads in `transformers.AutoTokenizer`
-    and vLLM. Returns `out_dir`."""
+    tokens (`<|endoftext|>` as pad, `<|im_start|>`, `<|im_end|>`) as the last three ids,
+    `eos_token` as EOS (`<|endoftext|>` as in Qwen's base models, `<|im_end|>` as in its
+    instruct ones) and `chat_template` (Qwen's ChatML by default). `generation_config`,
+    if given, is written beside it as generation_config.json, its values naming special
+    tokens by text ("eos_token_id": ["<|im_end|>", "<|endoftext|>"]) turned into their
+    ids. Loads in `transformers.AutoTokenizer` and vLLM. Returns `out_dir`. The one
+    builder of fnrl's BPE tokenizers: the synthetic checkpoints' and the tests'."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers import processors, trainers
 
@@ -160,16 +166,23 @@ def build_bpe_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 1024,
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
-        "eos_token": ENDOFTEXT,
+        "eos_token": eos_token,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
         "additional_special_tokens": [IM_START, IM_END],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": 32768,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    if generation_config is not None:
+        def ids(value):
+            if isinstance(value, list):
+                return [ids(v) for v in value]
+            return tokenizer.token_to_id(value) if isinstance(value, str) else value
+        (out_dir / "generation_config.json").write_text(json.dumps(
+            {k: ids(v) for k, v in generation_config.items()}, indent=2))
     return out_dir
 
 

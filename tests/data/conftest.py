@@ -3,13 +3,11 @@ special tokens, chat template and generation config, and fnrl's character-level 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+from fnrl.models.synthetic import ENDOFTEXT, IM_END, build_bpe_tokenizer
 
 # Written for these tests in the shape of Qwen2.5's template: a default system turn when
 # the chat has none, every turn wrapped in <|im_start|>role\n ... <|im_end|>\n, and the
@@ -35,27 +33,12 @@ SENTENCES = [
 def build_qwen_style_tokenizer(out_dir: Path, *, vocab_size: int = 420) -> Path:
     """A byte-level BPE trained on a few sentences, saved as a Qwen2.5-Instruct checkpoint
     saves its tokenizer: EOS <|im_end|>, pad <|endoftext|>, no BOS, both ids as
-    generation_config.json's eos_token_id."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  special_tokens=[ENDOFTEXT, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(SENTENCES, trainer)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": IM_END,
-        "pad_token": ENDOFTEXT, "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END], "chat_template": QWEN_STYLE_TEMPLATE,
-        "clean_up_tokenization_spaces": False, "model_max_length": 32768}, indent=2))
-    ids = {t: tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END)}
-    (out_dir / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": ids[ENDOFTEXT], "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
-        "pad_token_id": ids[ENDOFTEXT], "temperature": 0.7, "top_p": 0.8}, indent=2))
-    return out_dir
+    generation_config.json's eos_token_id (fnrl.models.synthetic.build_bpe_tokenizer)."""
+    return build_bpe_tokenizer(
+        out_dir, vocab_size=vocab_size, corpus=SENTENCES, eos_token=IM_END,
+        chat_template=QWEN_STYLE_TEMPLATE,
+        generation_config={"bos_token_id": ENDOFTEXT, "eos_token_id": [IM_END, ENDOFTEXT],
+                           "pad_token_id": ENDOFTEXT, "temperature": 0.7, "top_p": 0.8})
 
 
 @pytest.fixture(scope="session")
@@ -77,10 +60,5 @@ def synthetic_bpe_dir(tmp_path_factory) -> Path:
     """The tokenizer fnrl.models.synthetic gives its random checkpoints (EOS <|endoftext|>,
     specials after the learnt vocab), with the generation_config.json write_checkpoint
     writes beside it (eos ids [<|im_end|>, <|endoftext|>])."""
-    from fnrl.models.synthetic import build_bpe_tokenizer
-    out = build_bpe_tokenizer(tmp_path_factory.mktemp("synthetic-bpe"))
-    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
-    ids = {t["content"]: t["id"] for t in added}
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [ids[IM_END], ids[ENDOFTEXT]], "pad_token_id": ids[ENDOFTEXT]}))
-    return out
+    return build_bpe_tokenizer(tmp_path_factory.mktemp("synthetic-bpe"), generation_config={
+        "eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT})
