@@ -33,6 +33,12 @@ def pytest_xdist_auto_num_workers(config):
 
 
 @pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """One warm-started model cache for every end-to-end run of a worker's session."""
+    return str(tmp_path_factory.mktemp("model_cache"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen2 with fnrl's arithmetic tokenizer, as an HF directory."""
     from fnrl.config import ModelConfig

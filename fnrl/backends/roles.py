@@ -168,6 +168,7 @@ class Cluster:
         self._eval_spec: ServerSpec | None = None
         self._log_start: dict[str, int] = {}
         self._stopping = threading.Event()
+        self.stop_signal: int | None = None   # the signal that stopped the job, if one did
         self._stopped: dict[str, RoleProcess] = {}   # by name, what stop() stopped
         self._sampler = threading.Thread(target=self._sample_roles, name="role-sampler",
                                          daemon=True)
@@ -288,6 +289,10 @@ class Cluster:
         def handler(signum, frame):
             if self._stopping.is_set():
                 return
+            # Kept as well as raised: a signal that lands in a weakref callback or a
+            # finalizer has its exception swallowed there (seen: the roles stopped, the
+            # job took their exits for failures and restarted); the job checks this.
+            self.stop_signal = signum
             # os.write: print could re-enter a write the signal interrupted.
             os.write(2, f"fnrl: {signal.Signals(signum).name}: stopping every role\n".encode())
             self.stop()

@@ -348,6 +348,8 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
         cluster.stop()
         launcher.close()
         restore_signals()
+        if cluster.stop_signal is not None:   # even if the handler's Stopped was swallowed
+            raise Stopped(cluster.stop_signal)
 
 
 def make_launcher(cfg: RunConfig, gpu=None):

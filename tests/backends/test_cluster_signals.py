@@ -55,3 +55,30 @@ def test_a_signal_ignored_before_stays_ignored(tmp_path):
     finally:
         signal.signal(signal.SIGHUP, before)
         cluster.stop()
+
+
+def test_a_stop_whose_exception_is_swallowed_is_still_known(tmp_path):
+    """A signal that lands in a weakref callback has its Stopped swallowed there (seen
+    in the lifetime e2e: the job took its stopped roles for failures and restarted). The
+    cluster keeps the signal, and the job raises Stopped from it once the attempt ends
+    (fnrl.experiments.math_grpo._run_once)."""
+    import weakref
+
+    cluster = Cluster(tmp_path)
+    role = _sleeper(cluster, "worker")
+    outer = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    restore = cluster.stop_on_signals()
+
+    class Dies:
+        pass
+
+    try:
+        obj = Dies()
+        weakref.finalize(obj, os.kill, os.getpid(), signal.SIGINT)
+        del obj   # the handler runs inside the finalizer: its Stopped is printed, not raised
+        assert cluster.stop_signal == signal.SIGINT
+        assert role.proc.poll() is not None
+    finally:
+        restore()
+        cluster.stop()
+        signal.signal(signal.SIGINT, outer)

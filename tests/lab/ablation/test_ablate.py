@@ -290,7 +290,8 @@ def test_a_two_cell_grid_runs_end_to_end_and_resumes(tmp_path, cache_dir, capsys
     from tests.experiments.e2e_args import SMALL
 
     flags = dict(zip(SMALL[::2], SMALL[1::2]))          # "--a.b-c": "1" -> "a.b_c": 1
-    base = {k[2:].replace("-", "_"): json.loads(v) for k, v in flags.items()}
+    base = {k[2:].replace("-", "_"): v if v.isalpha() else json.loads(v)   # "rollout": text
+            for k, v in flags.items()}
     base |= {"steps": 2, "eval.every": 1, "warm_start.cache_dir": cache_dir}
     path = tmp_path / "tiny.yaml"
     path.write_text(json.dumps({"name": "tiny", "output": str(tmp_path / "out"),
