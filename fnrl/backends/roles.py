@@ -285,7 +285,8 @@ class Cluster:
         the signal handler, in the main thread; threads blocked on a role then see it
         exit) and raises `Stopped`; signals while stopping are ignored, so a second
         Ctrl-C cannot cut the stop short. Returns the function that puts the previous
-        handlers back. Call it from the main thread."""
+        handlers back and then raises `Stopped` if a signal stopped the cluster, even one
+        whose exception was swallowed where it landed. Call it from the main thread."""
         def handler(signum, frame):
             if self._stopping.is_set():
                 return
@@ -305,6 +306,8 @@ class Cluster:
         def restore() -> None:
             for s, h in previous.items():
                 signal.signal(s, h)
+            if self.stop_signal is not None:   # even if the handler's Stopped was swallowed
+                raise Stopped(self.stop_signal)
         return restore
 
     def role(self, name: str) -> RoleProcess:

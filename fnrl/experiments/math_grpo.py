@@ -347,9 +347,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
     finally:
         cluster.stop()
         launcher.close()
-        restore_signals()
-        if cluster.stop_signal is not None:   # even if the handler's Stopped was swallowed
-            raise Stopped(cluster.stop_signal)
+        restore_signals()   # raises Stopped after a stop signal, even a swallowed one
 
 
 def make_launcher(cfg: RunConfig, gpu=None):

@@ -37,7 +37,8 @@ def test_a_stop_signal_stops_the_roles_then_raises_stopped(tmp_path, sig):
         assert "was killed by fnrl with SIGTERM" in procs.exit_reason(role.proc)
         os.kill(os.getpid(), sig)             # while (after) stopping: ignored
     finally:
-        restore()
+        with pytest.raises(Stopped):          # said again as the handlers go back
+            restore()
         cluster.stop()
     assert signal.getsignal(sig) is before
     signal.signal(sig, outer)
@@ -60,8 +61,8 @@ def test_a_signal_ignored_before_stays_ignored(tmp_path):
 def test_a_stop_whose_exception_is_swallowed_is_still_known(tmp_path):
     """A signal that lands in a weakref callback has its Stopped swallowed there (seen
     in the lifetime e2e: the job took its stopped roles for failures and restarted). The
-    cluster keeps the signal, and the job raises Stopped from it once the attempt ends
-    (fnrl.experiments.math_grpo._run_once)."""
+    cluster keeps the signal, and putting the handlers back raises Stopped from it (the
+    job does that once its attempt ends: fnrl.experiments.math_grpo._run_once)."""
     import weakref
 
     cluster = Cluster(tmp_path)
@@ -78,7 +79,8 @@ def test_a_stop_whose_exception_is_swallowed_is_still_known(tmp_path):
         del obj   # the handler runs inside the finalizer: its Stopped is printed, not raised
         assert cluster.stop_signal == signal.SIGINT
         assert role.proc.poll() is not None
+        with pytest.raises(Stopped):
+            restore()
     finally:
-        restore()
         cluster.stop()
         signal.signal(signal.SIGINT, outer)
