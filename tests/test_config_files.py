@@ -192,6 +192,9 @@ def test_moved_fields_still_load_from_old_files_and_flags(tmp_path, capsys):
     old |= {"eval_every": 3, "trainer_timeout_s": 99.0}
     del old["eval"]["every"], old["trainer"]["call_timeout_s"], old["fsync_logs"]
     old["coord"]["pool_fsync"] = True
+    old["rollout"] = {k: v for k, v in old["rollout"].items()
+                      if k not in ("serve_dtype", "queued_groups")}
+    old["rollout"] |= {"dtype": "bfloat16", "groups_per_batch": 3}
     old["faults"] |= {"inject": ["rollout0:at=2"], "seed": 5, "inject_bad_logprobs": 4,
                       "inject_noise": 1.0, "inject_corrupt_publish": 0,
                       "inject_logprob_shift": 2.0}
@@ -200,13 +203,16 @@ def test_moved_fields_still_load_from_old_files_and_flags(tmp_path, capsys):
     assert (cfg.eval.every, cfg.trainer.call_timeout_s, cfg.fsync_logs) == (3, 99.0, True)
     assert cfg.faults.inject.kills == ("rollout0:at=2",)
     assert (cfg.faults.inject.seed, cfg.faults.inject.bad_logprobs) == (5, 4)
+    assert (cfg.rollout.serve_dtype, cfg.rollout.queued_groups) == ("bfloat16", 3)
     err = capsys.readouterr().err
     for old_key, new_key in (("eval_every", "eval.every"), ("coord.pool_fsync", "fsync_logs"),
                              ("faults.inject", "faults.inject.kills"),
-                             ("faults.inject_bad_logprobs", "faults.inject.bad_logprobs")):
+                             ("faults.inject_bad_logprobs", "faults.inject.bad_logprobs"),
+                             ("rollout.dtype", "rollout.serve_dtype")):
         assert f"{old_key} is deprecated; write {new_key}" in err
     cfg = parse_config(["--eval-every=4", "--faults.inject", "relay0:at=3", "--coord.pool-fsync",
-                        "--trainer-timeout-s", "7"])
+                        "--trainer-timeout-s", "7", "--rollout.groups-per-batch", "2"])
     assert (cfg.eval.every, cfg.trainer.call_timeout_s, cfg.fsync_logs) == (4, 7.0, True)
+    assert cfg.rollout.queued_groups == 2
     assert cfg.faults.inject.kills == ("relay0:at=3",)
     assert "--eval-every is deprecated; write --eval.every" in capsys.readouterr().err

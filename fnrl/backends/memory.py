@@ -10,8 +10,8 @@ Pure arithmetic from the model's config and the run's (no files, no processes):
   relays   shared memory: each relay holds `relay.keep_versions` complete versions plus
            the one being filled (which becomes its spare), the master also the trainer's
            `relay.inbox_slots` hand-off slots (fnrl.relay.role); a version is the model's
-           weights in the servers' dtype (`rollout.dtype`);
-  servers  the weights in `rollout.dtype`, the KV cache (sized as fnrl.serving.server
+           weights in the servers' dtype (`rollout.serve_dtype`);
+  servers  the weights in `rollout.serve_dtype`, the KV cache (sized as fnrl.serving.server
            reserves it: `kv_reservation_bytes`, or node 0's total × kv_memory_fraction)
            and the process (`SERVER_PROCESS_BYTES`); on CPU `SERVER_WEIGHT_COPIES` of the
            weights; on GPU builds the weights and KV are on the device
@@ -22,7 +22,7 @@ Pure arithmetic from the model's config and the run's (no files, no processes):
 One GPU shared by the trainer and the servers (the local backend on a one-GPU machine):
 `plan_local_gpu` splits the card (fnrl.policy.gpu_memory) from the same figures, on the
 device: the trainer's step peak and what it keeps between steps without its host-side
-process, each server's weights in `rollout.dtype` once and its KV reservation.
+process, each server's weights in `rollout.serve_dtype` once and its KV reservation.
 `read_gpus` finds the card without importing JAX.
 """
 
@@ -101,7 +101,7 @@ def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
     rollout.kv_memory_fraction is set."""
     rows, length = trainer_batch_shape(cfg, context_len)
     tm = trainer_memory(model, cfg.trainer, cfg.algo, rows=rows, length=length,
-                        serve_dtype=cfg.rollout.dtype)
+                        serve_dtype=cfg.rollout.serve_dtype)
     trainer_items = tm.items
     peak = tm.peak_bytes
     roles = [RoleMemory(role="trainer", items=trainer_items, peak_bytes=peak)]
@@ -111,9 +111,9 @@ def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
     # A version is what the trainer publishes: the model, or with LoRA its adapters.
     published = (adapter_param_count(model, cfg.trainer.lora) if cfg.trainer.lora.enabled
                  else param_count(model))
-    version = published * DTYPE_BYTES[cfg.rollout.dtype]
+    version = published * DTYPE_BYTES[cfg.rollout.serve_dtype]
     for r in range(cfg.relay.num_relays):
-        items = [(f"{cfg.relay.keep_versions} versions + 1 filling ({cfg.rollout.dtype})",
+        items = [(f"{cfg.relay.keep_versions} versions + 1 filling ({cfg.rollout.serve_dtype})",
                   (cfg.relay.keep_versions + 1) * version)]
         if r == 0:
             items.append((f"{cfg.relay.inbox_slots} inbox slots (master)",
@@ -136,7 +136,7 @@ def plan_memory(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
 def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_num_seqs,
             kv_fraction) -> RoleMemory:
     ro = cfg.rollout
-    weights = param_count(model) * DTYPE_BYTES[ro.dtype]
+    weights = param_count(model) * DTYPE_BYTES[ro.serve_dtype]
     if kv_fraction and kv_in_host:
         if node_total_bytes is None:
             raise ValueError("rollout.kv_memory_fraction is set: the plan needs node 0's "
@@ -145,10 +145,10 @@ def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_
         whole = math.ceil(node_total_bytes * kv_fraction)
         items = ((f"kv_memory_fraction={kv_fraction:g} of node 0 (all of it)", whole),)
     else:
-        kv = kv_reservation_bytes(bytes_per_token=kv_bytes_per_token(model.to_hf(), ro.dtype),
+        kv = kv_reservation_bytes(bytes_per_token=kv_bytes_per_token(model.to_hf(), ro.serve_dtype),
                                   max_num_seqs=max_num_seqs, max_model_len=context_len)
         copies = SERVER_WEIGHT_COPIES if kv_in_host else 1
-        items = ((f"weights ({ro.dtype}) x {copies}", copies * weights),
+        items = ((f"weights ({ro.serve_dtype}) x {copies}", copies * weights),
                  (f"KV {max_num_seqs} seqs x {context_len} tokens", kv if kv_in_host else 0),
                  ("process", SERVER_PROCESS_BYTES))
         if cfg.trainer.lora.enabled:
@@ -156,7 +156,7 @@ def _server(model, cfg, context_len, kv_in_host, node_total_bytes, name, *, max_
             # merge every version into (fnrl.serving.worker_ext.BaseWeights): host memory,
             # in the checkpoint's dtype, taken as the servers' here.
             items += (("LoRA base of the adapted projections",
-                       adapted_param_count(model, cfg.trainer.lora) * DTYPE_BYTES[ro.dtype]),)
+                       adapted_param_count(model, cfg.trainer.lora) * DTYPE_BYTES[ro.serve_dtype]),)
     return RoleMemory(role=name, items=items, peak_bytes=sum(b for _, b in items))
 
 
@@ -176,7 +176,7 @@ def plan_disk(model: DecoderConfig, cfg: RunConfig, *, context_len: int) -> tupl
     and the logs of every generated token."""
     rows, length = trainer_batch_shape(cfg, context_len)
     tm = trainer_memory(model, cfg.trainer, cfg.algo, rows=rows, length=length,
-                        serve_dtype=cfg.rollout.dtype)
+                        serve_dtype=cfg.rollout.serve_dtype)
     state = dict(tm.save)["checkpoint copy of the state"]
     keep, every = cfg.trainer.checkpoint_keep, cfg.trainer.checkpoint_every
     batch = rows * length * BATCH_ARRAYS * 4
@@ -212,7 +212,7 @@ def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
         f"the job needs {plan.total_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} GiB "
         f"is available: {each}. To fit: --trainer.logprob-chunk (e.g. 1024), "
         "--trainer.remat full, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
-        "--model.max-seq-len, --rollout.dtype bfloat16, --rollout.max-num-seqs, "
+        "--model.max-seq-len, --rollout.serve_dtype bfloat16, --rollout.max-num-seqs, "
         "--relay.keep-versions 1, fewer servers or relays, --eval.server rollout (evaluate "
         "on an idle rollout instead of a server of its own).")
 
@@ -295,12 +295,12 @@ def plan_local_gpu(model: DecoderConfig, cfg: RunConfig, *, context_len: int,
                                rows=rows, length=length, device_bytes=gpus[0])
     # device=True: the arrays on the card alone (Python and the compiler stay on the host).
     tm = trainer_memory(model, tc, cfg.algo, rows=rows, length=length,
-                        serve_dtype=cfg.rollout.dtype, platform="gpu", device=True)
+                        serve_dtype=cfg.rollout.serve_dtype, platform="gpu", device=True)
     trainer = TrainerNeed(peak_bytes=tm.step_peak_bytes,
                           resident_bytes=sum(b for _, b in tm.resident))
     ro = cfg.rollout
-    weights = param_count(model) * DTYPE_BYTES[ro.dtype]
-    per_token = kv_bytes_per_token(model.to_hf(), ro.dtype)
+    weights = param_count(model) * DTYPE_BYTES[ro.serve_dtype]
+    per_token = kv_bytes_per_token(model.to_hf(), ro.serve_dtype)
 
     def kv(seqs: int) -> int:
         return kv_reservation_bytes(bytes_per_token=per_token, max_num_seqs=seqs,
@@ -326,4 +326,4 @@ def check_gpu_split(split: GpuSplit | None) -> None:
             "does not put servers to sleep around train steps. The plan:\n" + split.table()
             + "\nTo fit side by side: --trainer.remat full, --trainer.logprob-chunk, "
             "--trainer.micro-batches, --rollout.max-num-seqs, --model.max-seq-len, "
-            "--rollout.dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")
+            "--rollout.serve_dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")

@@ -26,6 +26,8 @@ MOVED: dict[str, str] = {
     "faults.inject_noise": "faults.inject.noise",
     "faults.inject_bad_logprobs": "faults.inject.bad_logprobs",
     "faults.inject_logprob_shift": "faults.inject.logprob_shift",
+    "rollout.groups_per_batch": "rollout.queued_groups",
+    "rollout.dtype": "rollout.serve_dtype",
 }
 # old dotted key whose value is not a mapping -> the field of the section it became
 BECAME_SECTION: dict[str, str] = {"faults.inject": "faults.inject.kills"}

@@ -333,7 +333,7 @@ class RolloutConfig:
     """0: each server reserves the KV cache max_num_seqs sequences of the model's length
     need, checked against free memory at start. Else vLLM's --gpu-memory-utilization
     (on CPU: the fraction of total RAM for the whole server process)."""
-    groups_per_batch: int = 16
+    queued_groups: int = 16
     """Fresh prompt groups kept waiting in the trajectory server."""
     kv_capacity_tokens: int = 0
     """KV budget per server the coordinator plans with, in tokens (0: the server's own,
@@ -347,8 +347,8 @@ class RolloutConfig:
     len_sigma: float = 1.0
     """lognormal: σ of log-length; pareto: the shape α (smaller: heavier tail)."""
     len_max: int = 96
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """What the vLLM servers compute in (their --dtype); the trainer publishes weights in
+    serve_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """What the vLLM servers hold and compute in (their --dtype); the trainer publishes weights in
     it, so a bfloat16 server gets half the bytes through the relays."""
     tensor_parallel_size: int = 1
     """vLLM's --tensor-parallel-size: the GPUs each server (and the evaluation server)
@@ -365,9 +365,9 @@ class RolloutConfig:
         check(type(self.tensor_parallel_size) is int and self.tensor_parallel_size > 0,
               "RolloutConfig", "tensor_parallel_size", self.tensor_parallel_size,
               "must be an int > 0")
-        check(self.dtype in SERVE_DTYPES, "RolloutConfig", "dtype", self.dtype,
+        check(self.serve_dtype in SERVE_DTYPES, "RolloutConfig", "serve_dtype", self.serve_dtype,
               f"must be one of {SERVE_DTYPES}")
-        positive(self, "num_servers", "max_num_seqs", "groups_per_batch", "start_timeout_s",
+        positive(self, "num_servers", "max_num_seqs", "queued_groups", "start_timeout_s",
                  "request_timeout_s", "len_median", "len_sigma", "len_max")
         check(0 <= self.kv_memory_fraction < 1, "RolloutConfig", "kv_memory_fraction",
               self.kv_memory_fraction, "must be in [0, 1) (0: sized from the run's need)")

@@ -66,7 +66,7 @@ class Controller:
         # Idle rollouts evaluate only when no evaluation server is given (eval_lane).
         self._eval_on_rollouts = cfg.eval.server != "off" and roles.evaluator is None
         self.plan = schedule.plan(cfg.coord, batch_groups=cfg.algo.groups_per_step,
-                                  prompt_groups=cfg.rollout.groups_per_batch, total_steps=cfg.steps,
+                                  prompt_groups=cfg.rollout.queued_groups, total_steps=cfg.steps,
                                   eval_every=(cfg.eval.every if self._eval_on_rollouts
                                               else schedule.NEVER))
         self.state: schedule.ScheduleState | None = None

@@ -61,7 +61,7 @@ def restore_weights(cfg: RunConfig, model_dir: Path, run_dir: Path, versions: li
     from fnrl.models.lora import merge
 
     model_cfg = read_config(model_dir)
-    serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
+    serve_dtype = np.dtype(jnp.dtype(cfg.rollout.serve_dtype))
     for version, params in restored_params(cfg, model_dir, run_dir, versions):
         yield version, params_to_hf(model_cfg, merge(params, cfg.trainer.lora), dtype=serve_dtype)
 
@@ -90,7 +90,7 @@ async def _evaluate_all(cfg: RunConfig, model_dir: Path, run_dir: Path, task, ve
         relay = cluster.start_relay("relay0", cfg.relay)
         spec = ServerSpec(model_dir=str(model_dir), port=free_port(),
                           max_model_len=task.seq_len, max_num_seqs=cfg.eval.max_num_seqs,
-                          seed=cfg.seed, dtype=cfg.rollout.dtype)
+                          seed=cfg.seed, dtype=cfg.rollout.serve_dtype)
         cluster.start_server(0, spec)
         cluster.wait_relay_ready(relay)
         await asyncio.to_thread(cluster.wait_servers_ready, cfg.rollout.start_timeout_s)
@@ -138,7 +138,7 @@ async def evaluate_model_dir(cfg: RunConfig, model_dir: Path, task, out_dir: Pat
     try:
         spec = ServerSpec(model_dir=str(model_dir), port=free_port(),
                           max_model_len=task.seq_len, max_num_seqs=cfg.eval.max_num_seqs,
-                          seed=cfg.seed, dtype=cfg.rollout.dtype)
+                          seed=cfg.seed, dtype=cfg.rollout.serve_dtype)
         cluster.start_server(0, spec)
         await asyncio.to_thread(cluster.wait_servers_ready, cfg.rollout.start_timeout_s)
         async with aiohttp.ClientSession() as session:

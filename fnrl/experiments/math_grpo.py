@@ -315,7 +315,7 @@ def server_specs(cfg: RunConfig, model_dir: Path) -> list[ServerSpec]:
     return [ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=max_len,
                        max_num_seqs=cfg.rollout.max_num_seqs,
                        kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
-                       dtype=cfg.rollout.dtype, host=cfg.cluster.bind_host,
+                       dtype=cfg.rollout.serve_dtype, host=cfg.cluster.bind_host,
                        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                        require_api_key=cfg.cluster.require_api_key)
             for rid in range(cfg.rollout.num_servers)]

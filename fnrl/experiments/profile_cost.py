@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -268,9 +270,13 @@ def profile(args: ProfileArgs, model_dir: Path) -> dict:
             wait_ready(spec.base_url, proc, args.startup_timeout_s)
         walls = asyncio.run(measure([s.base_url for s in servers], runs, order, vocab=vocab,
                                     seed=args.seed))
+    except BaseException:
+        print(f"profile_cost: the servers' logs are kept in {logs}", file=sys.stderr)
+        raise
     finally:
         for proc in procs:
             stop_server(proc)
+    shutil.rmtree(logs, ignore_errors=True)   # a profile that worked leaves nothing behind
     measured = median_runs(runs, order, walls)
     fit_runs = [m for m, heldout in measured if not heldout]
     held = [m for m, heldout in measured if heldout]

@@ -5,7 +5,7 @@
 It answers the controller over ZeroMQ (REP): `train` with a batch of arrays logs the
 batch, runs one jitted step, checkpoints every `trainer.checkpoint_every` versions
 (Orbax, async) and publishes the new version to the master relay in the servers' dtype
-(`rollout.dtype`), then replies with metrics and timings. On start it resumes from the
+(`rollout.serve_dtype`), then replies with metrics and timings. On start it resumes from the
 newest finished checkpoint, replays the batches logged after it (so it is back at the
 version it had: fnrl.trainer.checkpoint) and publishes that version if the relays lack
 it, so rollouts never go back.
@@ -79,7 +79,7 @@ class Trainer:
             model_dir, dtype=compute, param_dtype=jnp.dtype(storage_dtype(tc)),
             adapter_seed=cfg.seed, adapter_dtype=jnp.dtype(tc.param_dtype), **model_kernels(tc))
         self._graphdef_remat = tc.remat
-        self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.dtype))
+        self.serve_dtype = np.dtype(jnp.dtype(cfg.rollout.serve_dtype))
         self.mesh = mesh_from_config(tc.mesh)
         # In a group (fnrl.trainer.distributed) every process runs every step; process 0
         # alone writes the run directory's files and publishes.

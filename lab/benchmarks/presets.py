@@ -102,7 +102,7 @@ def main() -> int:
     args = parser.parse_args()
     spec = read_spec(SPEC)
     flags = {"steps": args.steps, "algo.groups_per_step": args.groups,
-             "rollout.groups_per_batch": args.groups, "rollout.num_servers": args.servers,
+             "rollout.queued_groups": args.groups, "rollout.num_servers": args.servers,
              "task.num_eval": args.num_eval, "rollout.response_len": args.len_dist,
              "rollout.len_median": args.len_median, "rollout.len_sigma": args.len_sigma,
              "rollout.len_max": args.len_max, "coord.cost_file": args.cost_file}

@@ -164,7 +164,7 @@ def main() -> int:
                 "--task.dataset", str(data), "--task.prompt-key", "question",
                 "--task.num-eval", "4", "--algo.group-size", str(args.group_size),
                 "--algo.groups-per-step", str(args.groups_per_step),
-                "--rollout.groups-per-batch", str(args.groups_per_step),
+                "--rollout.queued-groups", str(args.groups_per_step),
                 "--algo.max-new-tokens", str(args.max_new_tokens),
                 # The context the run needs (the prompts are under 128 tokens), not the
                 # model's 32,768 positions, which would size every buffer for them.

@@ -105,7 +105,7 @@ JOB_FLAGS = ["--steps", "1000", "--warm-start.steps", "20", "--model.hidden-size
              "--model.intermediate-size", "128", "--model.num-hidden-layers", "2",
              "--model.num-attention-heads", "2", "--model.num-key-value-heads", "1",
              "--task.num-eval", "16", "--algo.groups-per-step", "4",
-             "--rollout.groups-per-batch", "4"]
+             "--rollout.queued-groups", "4"]
 
 
 def descendants(pids) -> set[int]:

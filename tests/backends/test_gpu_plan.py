@@ -27,7 +27,7 @@ H100 = 81559 * 2**20   # nvidia-smi's memory.total of an H100 80GB HBM3, in MiB
 
 
 def _cfg(eta: int = 1, **rollout) -> RunConfig:
-    cfg = RunConfig(rollout=RolloutConfig(dtype="bfloat16", max_num_seqs=64, **rollout),
+    cfg = RunConfig(rollout=RolloutConfig(serve_dtype="bfloat16", max_num_seqs=64, **rollout),
                     trainer=TrainerConfig(pack_rows=8, length_buckets=(1024,),
                                           compute_dtype="bfloat16", logprob_chunk=1024))
     return dataclasses.replace(cfg, coord=dataclasses.replace(cfg.coord, eta=eta),

@@ -19,7 +19,7 @@ N = 2024   # its parameters, counted by hand in tests/trainer/test_trainer_memor
 
 
 def _cfg(**kw) -> RunConfig:
-    return RunConfig(rollout=RolloutConfig(num_servers=2, max_num_seqs=4, dtype="bfloat16"),
+    return RunConfig(rollout=RolloutConfig(num_servers=2, max_num_seqs=4, serve_dtype="bfloat16"),
                      relay=RelayConfig(num_relays=2, keep_versions=2, inbox_slots=2),
                      trainer=TrainerConfig(length_buckets=(8, 64)), **kw)
 

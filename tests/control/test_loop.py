@@ -32,7 +32,7 @@ def make_cfg(preset: str = "fnrl", *, steps: int = STEPS, inject=(), **faults):
     return dataclasses.replace(
         cfg, steps=steps, eval=dataclasses.replace(cfg.eval, every=3),
         algo=dataclasses.replace(cfg.algo, group_size=G, groups_per_step=GROUPS, max_new_tokens=8),
-        rollout=dataclasses.replace(cfg.rollout, num_servers=2, groups_per_batch=GROUPS),
+        rollout=dataclasses.replace(cfg.rollout, num_servers=2, queued_groups=GROUPS),
         faults=dataclasses.replace(cfg.faults, trainer_hang_s=30.0, rollout_stall_s=20.0,
                                    heartbeat_timeout_s=5.0,
                                    inject=FaultInjection(kills=tuple(inject)), **faults))

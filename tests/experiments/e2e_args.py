@@ -11,5 +11,5 @@ SMALL = ["--warm-start.steps", "20", "--model.hidden-size", "64", "--model.inter
          "128", "--model.num-hidden-layers", "2", "--model.num-attention-heads", "2",
          "--model.num-key-value-heads", "1", "--model.max-position-embeddings", "128",
          "--algo.max-new-tokens", "96", "--task.num-eval", "16",
-         "--algo.groups-per-step", "4", "--rollout.groups-per-batch", "4",
+         "--algo.groups-per-step", "4", "--rollout.queued-groups", "4",
          "--eval.server", "rollout"]

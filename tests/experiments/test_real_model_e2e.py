@@ -94,7 +94,7 @@ def test_a_gsm8k_run_on_a_sharded_chat_model(tmp_path, taught_model):
                  "--task.dataset", str(data), "--task.prompt-key", "question",
                  "--task.answer-key", "answer", "--task.num-eval", str(EVAL),
                  "--algo.group-size", "4", "--algo.groups-per-step", "2",
-                 "--rollout.groups-per-batch", "2", "--algo.max-new-tokens", str(MAX_NEW)]) == 0
+                 "--rollout.queued-groups", "2", "--algo.max-new-tokens", str(MAX_NEW)]) == 0
 
     cfg = json.loads((run_dir / "config.json").read_text())
     tok = ChatTokenizer.for_task(model_dir, TaskConfig(**{

@@ -41,7 +41,7 @@ def real_cfg(preset: str):
     return dataclasses.replace(
         cfg, steps=2, eval=dataclasses.replace(cfg.eval, every=1000),
         algo=dataclasses.replace(cfg.algo, group_size=2, groups_per_step=2, max_new_tokens=3),
-        rollout=dataclasses.replace(cfg.rollout, num_servers=1, groups_per_batch=2,
+        rollout=dataclasses.replace(cfg.rollout, num_servers=1, queued_groups=2,
                                     response_len="lognormal", len_median=3, len_sigma=1e-9,
                                     len_max=3, kv_capacity_tokens=100),
         coord=dataclasses.replace(cfg.coord, cost=DECODE.cost))
@@ -109,7 +109,7 @@ def test_heap_matches_the_real_loop_under_fnrl(tmp_path, monkeypatch):
     cfg = dataclasses.replace(
         cfg, steps=steps, eval=dataclasses.replace(cfg.eval, every=1000),
         algo=dataclasses.replace(cfg.algo, group_size=4, groups_per_step=2, max_new_tokens=24),
-        rollout=dataclasses.replace(cfg.rollout, num_servers=2, groups_per_batch=2,
+        rollout=dataclasses.replace(cfg.rollout, num_servers=2, queued_groups=2,
                                     response_len="lognormal", len_median=6, len_sigma=0.8,
                                     len_max=24, kv_capacity_tokens=1000),
         coord=dataclasses.replace(cfg.coord, cost=DECODE.cost))

@@ -117,7 +117,7 @@ def test_a_restart_before_the_first_checkpoint_replays_from_the_model(tmp_path, 
 
 def test_bf16_compute_bf16_serving_and_the_context_cap(tmp_path, tiny_model_dir):
     cfg = RunConfig(run_dir=str(tmp_path), trainer=TrainerConfig(compute_dtype="bfloat16"),
-                    rollout=RolloutConfig(dtype="bfloat16"),
+                    rollout=RolloutConfig(serve_dtype="bfloat16"),
                     model=ModelConfig(max_seq_len=16))
     t = Trainer(cfg, tiny_model_dir, tmp_path)
     try:
