@@ -48,10 +48,12 @@ vLLM checks), raising ValueError with the figures if not.
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import importlib.metadata
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -356,7 +358,19 @@ def launch_server(spec: ServerSpec, log_path: str | os.PathLike) -> subprocess.P
     nothing, if it would not fit in the host memory available now (`check_memory`).
     """
     check_memory([spec])
-    return procs.spawn(server_command(spec), log_path, env=server_env(spec), scratch=True)
+    return procs.spawn(server_command(spec), log_path, env=server_env(spec), scratch=True,
+                       scratch_shared=(inductor_cache_name(),))
+
+
+def inductor_cache_name() -> str:
+    """torch inductor's cache directory in $TMPDIR (torch's default_cache_dir). The vLLM
+    engine on CPU builds a precompiled C++ header there on its first requests (cc1plus,
+    about 6 CPU-seconds here); in a fresh scratch TMPDIR every server start rebuilt it."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
 
 
 def wait_ready(

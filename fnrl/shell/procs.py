@@ -55,7 +55,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 def spawn(argv: list[str], log_path: str | os.PathLike, *,
           env: Mapping[str, str] | None = None, own_session: bool = True,
           with_parent: bool = True, death_signal: int = signal.SIGKILL,
-          scratch: bool = False) -> subprocess.Popen:
+          scratch: bool = False, scratch_shared: tuple[str, ...] = ()) -> subprocess.Popen:
     """Starts `argv` with stdout and stderr appended to `log_path` and no stdin.
 
     own_session: leads its own session and process group (`stop` ends the group).
@@ -64,13 +64,19 @@ def spawn(argv: list[str], log_path: str | os.PathLike, *,
     SIGTERM lets a role that owns shared memory unlink it when its job is SIGKILLed.
     The environment always holds a run secret (`env`'s own, else this process's:
     fnrl.shell.auth), the only way a role gets it.
-    scratch: a temporary directory of its own as TMPDIR, removed by `stop`.
+    scratch: a temporary directory of its own as TMPDIR, removed by `stop`;
+    `scratch_shared` names entries of it that are the real temporary directory's (the
+    caches a process keeps in its TMPDIR and should find again at its next start).
     """
     env = auth.with_secret(env)
     tmp = None
     if scratch:
         tmp = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         env["TMPDIR"] = str(tmp)
+        for name in scratch_shared:   # a link: removing the scratch leaves its target
+            shared = Path(tempfile.gettempdir()) / name
+            shared.mkdir(mode=0o700, exist_ok=True)
+            (tmp / name).symlink_to(shared, target_is_directory=True)
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,

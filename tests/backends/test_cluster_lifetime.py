@@ -1,9 +1,9 @@
 """No process or shared-memory name outlives a job: a controller SIGKILLed while its
 relays hold weights (the kernel tells its roles; a relay unlinks its segments), a
 re-run controller's clean-up of what a stopped relay left, and the main job stopped by
-Ctrl-C (during the servers' start, and mid-run after a relay and a server crashed),
-SIGTERM or SIGKILL: none of its processes, relay segments or vLLM's multiprocessing
-semaphores (/dev/shm/sem.mp-*) is left."""
+Ctrl-C during the servers' start, SIGTERM mid-run after a relay and a server crashed,
+or SIGKILL: none of its processes, relay segments or vLLM's multiprocessing
+semaphores (/dev/shm/sem.mp-*) is left; and the SIGKILLed job's directory resumes."""
 
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ from fnrl.relay import store
 from fnrl.relay.client import RelayClient
 from fnrl.shell import procs
 from fnrl.shell.procs import alive
+
+from tests.experiments.e2e_args import SMALL
+from tests.experiments.test_faults_e2e import assert_nothing_lost
 
 pytestmark = pytest.mark.slow
 
@@ -146,11 +149,11 @@ class Job:
     """`python -m fnrl.experiments.math_grpo` in a run directory of the test's own; every
     process and shared-memory name it makes is noted while it runs."""
 
-    def __init__(self, tmp_path: Path, cache_dir: Path, *flags: str):
-        self.run_dir, self.out = tmp_path / "run", tmp_path / "job.log"
+    def __init__(self, tmp_path: Path, cache_dir: Path, *flags: str, name: str = "job"):
+        self.run_dir, self.out = tmp_path / "run", tmp_path / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fnrl.experiments.math_grpo", "--run-dir", str(self.run_dir),
-             "--warm-start.cache-dir", str(cache_dir), *JOB_FLAGS, *flags],
+             "--warm-start.cache-dir", str(cache_dir), *flags],
             stdout=open(self.out, "w"), stderr=subprocess.STDOUT, preexec_fn=_foreground_signals)
         self.pids: dict[int, int] = {}      # pid -> its start time (a reused pid is not ours)
         self.relays: set[tuple[str, int]] = set()
@@ -196,9 +199,9 @@ class Job:
                 time.sleep(0.1)
             pytest.fail(f"the job did not exit in {timeout_s:.0f}s:\n{self.log()[-8000:]}")
 
-    def trained(self) -> bool:
+    def trained(self, steps: int = 1) -> bool:
         metrics = self.run_dir / "metrics.jsonl"
-        return metrics.exists() and '"kind": "train"' in metrics.read_text()
+        return metrics.exists() and metrics.read_text().count('"kind": "train"') >= steps
 
     def leftovers(self) -> tuple[list[int], list[str]]:
         # A pid counts only while it names the same process: on a busy machine an exited
@@ -220,17 +223,12 @@ class Job:
             self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("model_cache")
-
-
 @pytest.fixture
 def job_factory(tmp_path, cache_dir):
     jobs = []
 
-    def start(*flags: str) -> Job:
-        jobs.append(Job(tmp_path, cache_dir, *flags))
+    def start(*flags: str, base: list[str] = JOB_FLAGS, name: str = "job") -> Job:
+        jobs.append(Job(tmp_path, cache_dir, *base, *flags, name=name))
         return jobs[-1]
     yield start
     for job in jobs:
@@ -252,7 +250,9 @@ def test_ctrl_c_during_the_servers_start_stops_every_role_at_once(job_factory):
     job.assert_nothing_left(semaphores=False)
 
 
-def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
+def test_crashed_roles_then_a_sigterm_mid_run_leave_nothing(job_factory):
+    """SIGTERM, as a scheduler stops a job (Ctrl-C's SIGINT goes through the same
+    handler: the test above, and tests/backends/test_cluster_signals.py)."""
     job = job_factory("--relay.num-relays", "2")
     job.wait_for(job.trained)
     roles = job.roles()
@@ -271,8 +271,9 @@ def test_crashed_roles_then_ctrl_c_mid_run_leave_nothing(job_factory):
 
     # The relay is replaced too (it exited on a host that is still there).
     job.wait_for(lambda: recovered() >= {"rollout0", "relay1"})
-    job.proc.send_signal(signal.SIGINT)
-    assert job.exit_code() == 130, job.log()[-3000:]
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.exit_code() == 143, job.log()[-3000:]
+    assert "stopped by SIGTERM; every role is stopped" in job.log()
     job.assert_nothing_left()
     # Owner-only: no file or directory of the run is readable by anyone else.
     shared = [f"{p} {oct(p.stat().st_mode & 0o777)}" for p in [job.run_dir, *job.run_dir.rglob("*")]
@@ -287,10 +288,17 @@ def _connections(pid: int) -> list:
         return []
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
-def test_a_terminated_or_killed_controller_mid_run_leaves_nothing(job_factory, sig, code):
-    job = job_factory()
-    job.wait_for(job.trained)
-    job.proc.send_signal(sig)
-    assert job.exit_code() == code, job.log()[-3000:]
-    job.assert_nothing_left(scratch=sig != signal.SIGKILL)
+def test_a_killed_controller_leaves_nothing_and_its_rerun_resumes_from_the_journal(job_factory):
+    """SIGKILL mid-run: every role dies with the controller (PR_SET_PDEATHSIG) and leaves
+    nothing; the same command again starts its own roles, resumes the trainer from its
+    checkpoint and the rest from the journal and the pool, and loses nothing."""
+    flags = ["--steps", "6", "--eval.every", "100", *SMALL]
+    job = job_factory(*flags, base=[])
+    job.wait_for(lambda: job.trained(2))
+    job.proc.send_signal(signal.SIGKILL)
+    assert job.exit_code() == -9, job.log()[-3000:]
+    job.assert_nothing_left(scratch=False)
+    rerun = job_factory(*flags, base=[], name="rerun")
+    assert rerun.exit_code(600) == 0, rerun.log()[-3000:]
+    assert "recovered from the journal" in rerun.log()
+    assert_nothing_lost(job.run_dir, steps=6, eta=2)

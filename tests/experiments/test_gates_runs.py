@@ -1,7 +1,7 @@
 """The correctness gates on the real job (trainer, relay and vLLM processes): each
 injected fault is caught within a few steps with its action (a clean run that fires
 nothing: test_relay_tier_e2e.py). Short runs of the small model (e2e_args.SMALL), in this
-process."""
+process; faults that do not interfere share a run."""
 
 import json
 
@@ -33,40 +33,36 @@ def _actions(record) -> list[str]:
     return [a["action"] for a in record["actions"]]
 
 
-def test_wrong_behaviour_logprobs_are_skipped_at_their_step(tmp_path, cache_dir):
-    assert _run(tmp_path, cache_dir, 6, "--faults.inject.bad-logprobs", "3") == 0
-    gates = _gates(tmp_path)
-    assert gates and {g["version"] for g in gates} == {3}
-    assert {g["rule"] for g in gates} <= {"mismatch_kl", "is_weight", "clip_frac"}
-    assert all(_actions(g) == ["skip"] for g in gates)
-    refused = [r["step"] for r in _train(tmp_path) if r["gate_refused"] == 1.0]
-    assert refused == [3]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["refused_updates"] == summary["refused_updates_all"] == 1
-    assert summary["skipped_updates"] == 0 and set(summary["gate_rules"]) <= {
-        "mismatch_kl", "is_weight", "clip_frac"}
-    journal = journal_records(tmp_path / "journal.jsonl")
-    assert any(j["ev"] == "gate" and j["version"] == 3 for j in journal)
-
-
 def _trained_versions(run_dir) -> set[int]:
     """The policy versions of every consumed token."""
     return {v for r in read_jsonl(run_dir / "trajectories.jsonl")
             for t in r["trajectories"] for v, _ in t["segments"]}
 
 
-def test_a_corrupted_publish_is_caught_and_flushed(tmp_path, cache_dir):
-    """With the sync preset (η = 0) the tokens of the corrupted version 2 are the ones
-    trained at version 2; asynchronously a rollout may skip a version altogether (lazy
-    sync), and then nothing trains on the corrupted weights for a gate to see."""
-    assert _run(tmp_path, cache_dir, 6, "--preset", "sync",
-                "--faults.inject.corrupt-publish", "2") == 0
+def test_corrupted_weights_and_wrong_logprobs_are_each_skipped_at_their_step(tmp_path, cache_dir):
+    """One run, two faults: version 2 is published with noise on every tensor, and the
+    batch that trains version 5 records wrong behaviour log-probs. Each is caught by the
+    step that trains on it and skipped (the corrupted weights flushed after it). With
+    the sync preset (η = 0) the tokens of the corrupted version 2 are the ones trained at
+    step 3; asynchronously a rollout may skip a version altogether (lazy sync), and then
+    nothing trains on the corrupted weights for a gate to see."""
+    assert _run(tmp_path, cache_dir, 6, "--preset", "sync", "--faults.inject.corrupt-publish",
+                "2", "--faults.inject.bad-logprobs", "5") == 0
     assert 2 in _trained_versions(tmp_path)
     gates = _gates(tmp_path)
     assert gates, "no gate caught the corrupted weights"
-    # Caught at step 3, the one that trains version 2's tokens, and flushed after it.
-    assert {g["version"] for g in gates} == {3}
+    # Caught at step 3, the one that trains version 2's tokens, and at step 5.
+    assert {g["version"] for g in gates} == {3, 5}
     assert all(_actions(g) == ["skip"] for g in gates)
+    assert {g["rule"] for g in gates if g["version"] == 5} <= {"mismatch_kl", "is_weight",
+                                                               "clip_frac"}
+    refused = [r["step"] for r in _train(tmp_path) if r["gate_refused"] == 1.0]
+    assert refused == [3, 5]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["refused_updates"] == summary["refused_updates_all"] == 2
+    assert summary["skipped_updates"] == 0
+    journal = journal_records(tmp_path / "journal.jsonl")
+    assert {j["version"] for j in journal if j["ev"] == "gate"} == {3, 5}
 
 
 def _first_learning_step(run_dir) -> int:

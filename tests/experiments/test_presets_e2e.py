@@ -16,7 +16,6 @@ from tests.experiments.e2e_args import SMALL
 pytestmark = pytest.mark.slow
 
 # A long-tailed workload (forced lognormal lengths) so generation spans train steps.
-# A long-tailed workload (forced lognormal lengths) so generation spans train steps.
 LONG_TAIL = [*SMALL, "--model.max-position-embeddings", "128", "--rollout.response-len",
              "lognormal", "--rollout.len-median", "16", "--rollout.len-max", "96",
              "--algo.max-new-tokens", "96", "--eval.every", "100"]
