@@ -86,6 +86,7 @@ def test_estimator_runs_from_the_config(name):
 
 
 @pytest.mark.parametrize("kind", ["token_mask", "seq_mask"])
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_rejection_masks_reach_every_term_of_the_real_step(model, kind):
     """A rejected token contributes no gradient to any term (policy, KL, entropy): with
     every token rejected the step's gradient is zero; with none rejected it is the

@@ -144,6 +144,7 @@ def test_the_critic_learns_the_returns_in_the_jitted_step(model):
     assert "gae/adv_mean" in metrics and "critic/grad_norm" in metrics
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_a_detached_critic_leaves_the_policy_update_alone(model):
     """Without value_trunk_grad the value weight changes nothing but the head's update;
     with it the value loss also moves the trunk."""
@@ -163,6 +164,7 @@ def test_a_detached_critic_leaves_the_policy_update_alone(model):
     assert max(jax.tree.leaves(moved)) > 0
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_micro_batches_give_the_unsplit_update_with_the_critic(model):
     cfg, graphdef, params = model
     algo = AlgoConfig(**PPO, learning_rate=1e-2, critic_lr=1e-2)

@@ -98,6 +98,7 @@ def _assert_same(a, b, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
 @pytest.mark.parametrize("remat", ["none", "dots"])
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_packed_rows_equal_the_sequences_unpacked_xla(family, remat):
     """The xla kernel reads packed rows through segment_runs (cudnn's layout): each
     sequence sees only itself, and the padding tail changes nothing."""
@@ -117,6 +118,7 @@ def test_remat_policies_equal_no_remat(remat):
     _assert_same(*runs, jnp.float32)
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_remat_policies_keep_what_they_name():
     """XLA's buffer plan of the gradient: full keeps less than dots, dots less than none."""
     cfg = _cfg("qwen2", num_hidden_layers=4, hidden_size=64, intermediate_size=256)

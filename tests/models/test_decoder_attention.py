@@ -95,6 +95,7 @@ def _temp_bytes(graphdef, params, T):
     return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_remat_and_blocks_shrink_the_compiled_temporaries():
     """XLA's buffer plan of the gradient at 512 positions, where the float32 scores
     dominate: remat over 4 layers keeps well under all layers' activations, and query

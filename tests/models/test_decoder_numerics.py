@@ -69,6 +69,7 @@ def test_remat_recomputes_in_the_backward_pass():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_bfloat16_compute_over_float32_params_tracks_float32(family):
     """bf16 activations with fp32 master weights: token log-probs within 0.05 nats on
     average of float32's (bf16 has 8 mantissa bits: ~0.4% per op), never NaN, and the

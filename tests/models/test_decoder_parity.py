@@ -141,6 +141,7 @@ def test_params_hf_round_trip_is_bit_exact(variant):
     jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, params))
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_packed_segments_match_separate_runs():
     cfg = _our_config("qwen3-untied")
     graphdef, _ = init_model(cfg, 0)

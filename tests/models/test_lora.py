@@ -68,6 +68,7 @@ def test_targets_by_name_leave_the_others_alone():
         LoraConfig(rank=-1)
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_gradient_reaches_only_the_adapters_and_matches_the_merged_weights():
     cfg = _cfg("qwen2")
     base = jax.tree.map(np.asarray, random_params(cfg, 0, init_std=0.1))

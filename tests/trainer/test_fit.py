@@ -35,6 +35,7 @@ def setup():
     return cfg, build, (state, batch, None, None), peaks
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_the_compiled_plans_order_the_policies(setup):
     *_, peaks = setup
     assert peaks["full"] < peaks["dots"] < peaks["none"], peaks
@@ -43,6 +44,7 @@ def test_the_compiled_plans_order_the_policies(setup):
 @pytest.mark.parametrize("between,expected", [(("none", None), "none"),
                                               (("dots", "none"), "dots"),
                                               (("full", "dots"), "full")])
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_fit_moves_to_the_least_remat_whose_compiled_plan_fits(setup, between, expected):
     cfg, build, args, peaks = setup
     fits, over = between
@@ -54,6 +56,7 @@ def test_fit_moves_to_the_least_remat_whose_compiled_plan_fits(setup, between, e
     assert compiled_peak_bytes(step.lower(*args)) == peaks[expected]
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_nothing_fits_ends_at_full_and_says_so(setup):
     cfg, build, args, peaks = setup
     tc, why, *_ = fit_remat(cfg.trainer, {}, build=build, args=args, limit=peaks["full"] // 2)
@@ -67,6 +70,7 @@ def test_the_abstract_batch_follows_the_layout():
     assert "adv_B" in abstract_batch(RunConfig(), 8, 64)
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_the_trainer_role_fits_an_automatic_remat_to_its_device(tmp_path, tiny_model_dir,
                                                                  monkeypatch):
     """The role's accelerator path, run on CPU with a pretended device limit below every

@@ -26,6 +26,7 @@ def trainer(tmp_path, tiny_model_dir):
     t.checkpoints.close()
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_a_skipped_step_is_not_checkpointed_or_published(trainer, tmp_path):
     metrics, weights = trainer.train(toy_batch())
     assert metrics["update_skipped"] == 0.0 and weights is not None and trainer.version == 1
@@ -39,6 +40,7 @@ def test_a_skipped_step_is_not_checkpointed_or_published(trainer, tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_a_failed_save_leaves_the_previous_step_to_resume_from(trainer, tmp_path,
                                                               tiny_model_dir, monkeypatch):
     trainer.train(toy_batch())
@@ -69,6 +71,7 @@ def _other_batch(seed: int) -> dict:
     return batch
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_cadence_saves_every_k_and_a_restart_replays_back_to_the_same_version(
         tmp_path, tiny_model_dir):
     """checkpoint_every=3, keep 1: checkpoints 3 and 6 (only 6 kept), the batches since

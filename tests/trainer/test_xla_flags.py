@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fnrl.trainer.xla_flags import MEMORY_SCHEDULER_FLAG, use_memory_scheduler
 
 _PROBE = """
@@ -51,6 +53,7 @@ def _temps(memory: bool) -> tuple[int, int]:
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.slow   # compiles full steps: the whole suite's, not the inner loop's
 def test_remat_lowers_the_step_under_either_scheduler_and_the_memory_one_the_plain_step():
     """Remat's scan over layers keeps its recomputations in the backward loop whatever
     the scheduler (an unrolled loop of checkpoints had them all hoisted by the
