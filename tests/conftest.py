@@ -117,9 +117,10 @@ def write_run_config():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with slow tests first. Under `--dist loadfile` the workers take whole files in
-    collection order, so a long end-to-end file reached last runs alone at the end while
-    the other worker idles; started first, the quick files fill the gaps instead. (A
-    stable sort: the order within a file, and of the fast files, stays as collected.)"""
+    """Files with slow tests first. Under `--dist loadfile --no-loadscope-reorder` the
+    workers take whole files in collection order (xdist's own reorder puts the files with
+    the most tests first, and so the one- and two-test end-to-end files, the longest,
+    last: seen running alone at the end); started first, the quick files fill the gaps
+    instead. A stable sort: the order within a file, and of the fast files, stays."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
