@@ -13,8 +13,10 @@ if os.environ.get("FNRL_GPU_LANE") != "1":
 # XLA executables persist across the tests' processes (the xdist workers, every trainer a
 # run starts) in the trainer's own cache (fnrl.trainer.role.enable_compilation_cache):
 # many tests compile the same step of the same tiny model under new jit wrappers, and a
-# hit loads it instead (measured: tests/trainer/test_role.py with test_fit.py from a cold
-# cache, 265 s -> 173 s on this 2-core machine). JAX reads these from the environment.
+# hit loads it instead (tests/trainer/test_role.py with test_fit.py, one process, beside
+# another job on this 2-core machine: 265 s with only the trainers' compiles cached,
+# 173 s with every compile going through a cold cache). JAX reads these from the
+# environment.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.expanduser(os.path.join("~", ".cache", "fnrl", "jax")))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
