@@ -212,7 +212,7 @@ def check_plan(plan: MemoryPlan, available_bytes: int) -> None:
         f"the job needs {plan.total_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} GiB "
         f"is available: {each}. To fit: --trainer.logprob-chunk (e.g. 1024), "
         "--trainer.remat full, --trainer.compute-dtype bfloat16, --trainer.micro-batches, "
-        "--model.max-seq-len, --rollout.serve_dtype bfloat16, --rollout.max-num-seqs, "
+        "--model.max-seq-len, --rollout.serve-dtype bfloat16, --rollout.max-num-seqs, "
         "--relay.keep-versions 1, fewer servers or relays, --eval.server rollout (evaluate "
         "on an idle rollout instead of a server of its own).")
 
@@ -326,4 +326,4 @@ def check_gpu_split(split: GpuSplit | None) -> None:
             "does not put servers to sleep around train steps. The plan:\n" + split.table()
             + "\nTo fit side by side: --trainer.remat full, --trainer.logprob-chunk, "
             "--trainer.micro-batches, --rollout.max-num-seqs, --model.max-seq-len, "
-            "--rollout.serve_dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")
+            "--rollout.serve-dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")

@@ -226,4 +226,4 @@ def _refusal(card_bytes, figures, *, beside, asleep, awake_with_resident, peak, 
             "--rollout.gpu-sleep unset (when it fits time-shared), --trainer.remat full, "
             "--trainer.logprob-chunk (e.g. 1024), --trainer.micro-batches, "
             "--trainer.compute-dtype bfloat16, --rollout.max-num-seqs, --model.max-seq-len, "
-            "--rollout.serve_dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")
+            "--rollout.serve-dtype bfloat16, fewer servers, --eval.server rollout, or a second GPU.")
