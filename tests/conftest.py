@@ -17,8 +17,9 @@ if os.environ.get("FNRL_GPU_LANE") != "1":
 # another job on this 2-core machine: 265 s with only the trainers' compiles cached,
 # 173 s with every compile going through a cold cache). JAX reads these from the
 # environment.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.expanduser(os.path.join("~", ".cache", "fnrl", "jax")))
+from fnrl.trainer.xla_flags import compilation_cache_dir  # noqa: E402  (imports no JAX)
+
+os.environ["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import json  # noqa: E402

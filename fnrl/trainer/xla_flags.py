@@ -43,6 +43,12 @@ def use_memory_scheduler(environ: MutableMapping[str, str] = os.environ) -> None
     if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
         environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}".strip()
 
+def compilation_cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Where XLA's compiled programs persist across processes: JAX_COMPILATION_CACHE_DIR,
+    else ~/.cache/fnrl/jax (fnrl.trainer.role.enable_compilation_cache)."""
+    return environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.expanduser("~/.cache/fnrl/jax")
+
+
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
