@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,16 +21,50 @@ from fnrl.control.trajectories import TrajectoryTable
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import staleness as st
 from fnrl.policy.schedule import ScheduleState
-from fnrl.shell.records import append
+from fnrl.shell.records import DamagedRecord, append
 from fnrl.types import Problem
 
 
 class ConsumedLog:
-    """Accounting by id: one line per consumed group, then its tokens leave the pool."""
+    """Accounting by id: one line per consumed group; its tokens leave the pool once the
+    journal records the step trained (`release`).
+
+    A crash (or a full disk) can stop the controller between a step's lines and its
+    journal record. The next controller reconciles the two (`reconcile`): lines of
+    groups the restored trainer holds are kept and not written again; lines of groups it
+    does not hold are cut off (those groups train again, from their tokens, still in the
+    pool)."""
 
     def __init__(self, path: Path, pool: PartialResponsePool):
-        self.pool = pool
+        self.pool, self.path = pool, Path(path)
         self._f = append(path)   # a torn last line cut off first
+        self.logged: dict[str, int] = dict(_logged_groups(self.path))   # group -> offset
+
+    def reconcile(self, consumed: frozenset[str]) -> int:
+        """Cuts off the lines of groups not in `consumed` (the journal's, after the
+        trainer's restore) and returns how many. They can only be the last step's, at
+        the end of the file: one such line followed by a consumed group's is damage,
+        refused with the file and offset named (cutting there would lose that line)."""
+        stray = sorted((at, name) for name, at in self.logged.items() if name not in consumed)
+        if not stray:
+            return 0
+        cut = stray[0][0]
+        after = [name for name, at in self.logged.items() if at > cut and name in consumed]
+        if after:
+            raise DamagedRecord(
+                self.path, cut, sorted(self.logged.values()).index(cut),
+                f"group {stray[0][1]} is logged as consumed but the journal has no step "
+                f"that trained it, and {len(after)} trained group(s) follow it", len(after))
+        self._f.flush()
+        os.truncate(self.path, cut)
+        for _, name in stray:
+            del self.logged[name]
+        return len(stray)
+
+    def release(self, trajectories) -> None:
+        """Drops a consumed group's tokens from the pool (after its step's journal record)."""
+        for tr in trajectories:
+            self.pool.drop(tr.uid)
 
     def log(self, name: str, version: int, trajectories, **extra) -> None:
         # The exact prompt ids each trajectory was generated from (chat template, system
@@ -36,6 +72,7 @@ class ConsumedLog:
         # and every response token with its behaviour log-prob and the reward: what
         # `fnrl.experiments.replay` rebuilds the run's batches from (floats round-trip
         # through JSON exactly). A group logged by a recovery has no rewards.
+        offset = self._f.tell()
         self._f.write(json.dumps({
             "group": name, "consumed_version": version, **extra,
             "trajectories": [{"uid": tr.uid, "prompt_ids": list(tr.prompt_ids),
@@ -50,11 +87,27 @@ class ConsumedLog:
                                  if getattr(tr, "tool_calls", 0) else {}),
                               **({"reward": tr.reward} if hasattr(tr, "reward") else {})}
                              for tr in trajectories]}) + "\n")
-        for tr in trajectories:
-            self.pool.drop(tr.uid)
+        self.logged[name] = offset
 
     def close(self) -> None:
         self._f.close()
+
+
+_GROUP = re.compile(rb'\{"group": ("(?:[^"\\]|\\.)*")')
+
+
+def _logged_groups(path: Path):
+    """(group, byte offset) of each line of trajectories.jsonl, reading only the name
+    each line starts with (a long run's file is large; its tokens are not needed)."""
+    if not path.exists():
+        return
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            m = _GROUP.match(line)
+            name = json.loads(m.group(1)) if m else json.loads(line)["group"]
+            yield name, offset
+            offset += len(line)
 
 
 def recover(rp: Replayed, state: ScheduleState, *, eta: int, table: TrajectoryTable,
@@ -72,8 +125,14 @@ def recover(rp: Replayed, state: ScheduleState, *, eta: int, table: TrajectoryTa
     counts = book.counts
     task.prompts.skip(rp.prompts_taken)   # the stream is deterministic: skip what was taken
     members = {g.problem["uid"]: g.uids for g in rp.groups}
+    cut = consumed.reconcile(rp.consumed)
+    if cut:
+        log(f"trajectories.jsonl: cut off {cut} group(s) logged by a step the restored "
+            "trainer does not hold (they train again)")
     for version, names in rp.unlogged:
         for name in names:
+            if name in consumed.logged:   # logged before the previous controller stopped
+                continue
             consumed.log(name, version, [pool.get(u) for u in members[name] if u in pool],
                          recovered=True)
         journal.write("trained", version=version)

@@ -127,6 +127,8 @@ class Training:
         self.journal.write("trained", version=cmd.version,
                            **({"controls": {k: v.item() for k, v in controls.items()}}
                               if controls else {}))
+        for g in groups:   # recorded: a restarted controller will not train them again
+            self.consumed.release(g.trajectories)
         skipped = result.version == cmd.version
         b.skipped_steps += skipped
         b.counts["skipped_updates"] += skipped

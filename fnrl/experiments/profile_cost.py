@@ -35,7 +35,7 @@ from fnrl.control.metrics import generated_length, read_jsonl
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.policy.cost_model import Measurement, fit_cost_model, fit_quality
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, launch_server, serve, stop_server
 from fnrl.shell.files import write_atomic
 from fnrl.shell.net import free_port
 
@@ -266,8 +266,9 @@ def profile(args: ProfileArgs, model_dir: Path) -> dict:
     try:
         for i, spec in enumerate(servers):
             procs.append(launch_server(spec, logs / f"server{i}.log"))
-        for spec, proc in zip(servers, procs):
-            wait_ready(spec.base_url, proc, args.startup_timeout_s)
+        for i, (spec, proc) in enumerate(zip(servers, procs)):   # started side by side
+            servers[i], procs[i] = serve(spec, logs / f"server{i}.log", args.startup_timeout_s,
+                                         proc=proc)
         walls = asyncio.run(measure([s.base_url for s in servers], runs, order, vocab=vocab,
                                     seed=args.seed))
     except BaseException:

@@ -58,6 +58,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -65,6 +66,7 @@ from pathlib import Path
 from fnrl.config.cluster import is_host, is_loopback
 from fnrl.shell import auth, procs
 from fnrl.shell.files import log_tail
+from fnrl.shell.net import free_port, listens_on, port_taken
 
 __all__ = ["HostMemory", "ServerSpec", "check_memory", "kv_bytes_per_token",
            "kv_reservation_bytes", "launch_server", "stop_server", "wait_ready"]
@@ -385,6 +387,7 @@ def wait_ready(
     Raises RuntimeError with the tail of the log if the process exits or time runs out.
     """
     log_path = log_path or getattr(proc, "fnrl_log_path", None)
+    port = urllib.parse.urlsplit(base_url).port
     start = time.monotonic()
     while True:
         if proc.poll() is not None:
@@ -394,7 +397,9 @@ def wait_ready(
             )
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-                if response.status == 200:
+                # Ours, not a server that took the port after free_port chose it (this
+                # one then exits: "Address already in use").
+                if response.status == 200 and listens_on(proc.pid, port) is not False:
                     return time.monotonic() - start
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
@@ -403,6 +408,33 @@ def wait_ready(
                 f"vLLM server {base_url} not ready after {timeout_s:g} s{log_tail(log_path, lines=60)}"
             )
         time.sleep(0.25)
+
+
+def serve(spec: ServerSpec, log_path: str | os.PathLike, timeout_s: float, *,
+          proc: subprocess.Popen | None = None,
+          port_retries: int = 3) -> tuple[ServerSpec, subprocess.Popen]:
+    """`launch_server` (or the `proc` already launched with `spec`), then `wait_ready`:
+    (the spec it serves on, its process). A server whose port another process took
+    after `free_port` chose it starts again on a fresh port, up to `port_retries` times
+    (fnrl.backends.roles does the same for its roles). Stop it with `stop_server`."""
+    log_path = Path(log_path)
+    since = 0 if proc is not None else None
+    for attempt in range(port_retries + 1):
+        if proc is None:
+            since = log_path.stat().st_size if log_path.exists() else 0
+            proc = launch_server(spec, log_path)
+        try:
+            wait_ready(spec.base_url, proc, timeout_s, log_path=log_path)
+            return spec, proc
+        except RuntimeError:
+            stop_server(proc)
+            if attempt == port_retries or not port_taken(log_path, since):
+                raise
+        except BaseException:
+            stop_server(proc)
+            raise
+        spec, proc = dataclasses.replace(spec, port=free_port(spec.host)), None
+    raise AssertionError("not reached: the last attempt returns or raises")
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:

@@ -59,3 +59,31 @@ def port_taken(log_path: str | Path, since: int = 0) -> bool:
         return b"Address already in use" in read_tail(log_path, since)
     except OSError:
         return False
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a TCP socket listening on `port` (in its own network
+    namespace); None where /proc cannot tell (not Linux, or the process is gone). A
+    readiness probe's answer can come from another server that holds the port (one that
+    took it after `free_port` chose it): this tells whether the server is ours."""
+    proc = Path(f"/proc/{pid}")
+    inodes = set()
+    try:
+        for table in ("tcp", "tcp6"):
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+            for line in lines:
+                fields = line.split()
+                # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 the inode.
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+        if not inodes:
+            return False
+        for fd in (proc / "fd").iterdir():
+            try:
+                if str(fd.readlink()) in inodes:
+                    return True
+            except OSError:   # closed while listed
+                continue
+    except (OSError, IndexError, ValueError):
+        return None
+    return False

@@ -97,7 +97,26 @@ class Checkpointer:
         return restored["state"], dict(restored.get("extra") or {})
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except BaseException:
+            self._settle_failed_save()
+            raise
+
+    def _settle_failed_save(self) -> None:
+        """After a save failed: waits for the rest of its writes. Orbax raises the first
+        item's failure and leaves the other items' writes running (orbax-checkpoint 0.12,
+        `_AsyncManager`): they would go on writing into the unfinished directory while
+        the next save of that step, or `discard_unfinished`, removes it ("Directory not
+        empty"). Orbax keeps those futures only privately: if a later Orbax moves them,
+        this waits for nothing and the next save retries as before."""
+        checkpointer = getattr(self._manager, "_checkpointer", None)
+        manager = getattr(checkpointer, "_async_manager", None)
+        for future in getattr(manager, "_commit_futures", None) or ():
+            try:
+                future.result()
+            except BaseException:  # noqa: BLE001 - the save already failed; its first error is raised
+                pass
 
     def discard_unfinished(self) -> list[str]:
         """Removes the temporary directories of saves that did not finish (a full disk

@@ -136,3 +136,42 @@ def test_any_single_damaged_byte_is_refused_or_is_the_torn_tail(tmp_path):
                 continue
             assert at == len(whole) - 1, (at, flip)   # the last end of line alone
             assert got == without_last, (at, flip)
+
+
+def _consumed_log(tmp_path, names):
+    from fnrl.control.recovery import ConsumedLog
+    from fnrl.data.partial_pool import PartialResponsePool
+
+    pool = PartialResponsePool(tmp_path / "partial_responses.log")
+    log = ConsumedLog(tmp_path / "trajectories.jsonl", pool)
+    for name in names:
+        log.log(name, 0, [])
+    return log, pool
+
+
+def test_trajectories_logged_by_a_step_the_journal_never_recorded_are_reconciled(tmp_path):
+    """A controller stopped between a step's trajectories.jsonl lines and its journal
+    record (a full disk, a kill): the next one keeps the lines of groups the trainer
+    holds, so they are not logged twice, and cuts off those it does not hold."""
+    log, pool = _consumed_log(tmp_path, ['a"x', "b", "c"])
+    log.close()
+    log, _ = _consumed_log(tmp_path, [])
+    assert set(log.logged) == {'a"x', "b", "c"}
+    assert log.reconcile(frozenset({'a"x', "b", "c"})) == 0
+    assert log.reconcile(frozenset({'a"x', "b"})) == 1      # c's step is not held
+    log.log("c", 1, [])                                      # trained again, logged once
+    log.close()
+    groups = [json.loads(line)["group"] for line in
+              (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert groups == ['a"x', "b", "c"]
+    pool.close()
+
+
+def test_a_consumed_group_after_an_untrained_one_is_damage_and_nothing_is_cut(tmp_path):
+    log, pool = _consumed_log(tmp_path, ["a", "b", "c"])
+    size = (tmp_path / "trajectories.jsonl").stat().st_size
+    with pytest.raises(DamagedRecord, match=r"trajectories.jsonl.*group b .*1 trained group"):
+        log.reconcile(frozenset({"a", "c"}))
+    assert (tmp_path / "trajectories.jsonl").stat().st_size == size
+    log.close()
+    pool.close()

@@ -19,7 +19,7 @@ from fnrl.envs.episode import run_episode
 from fnrl.envs.turns import FedTurn, SampledTurn, context_ids, flatten_turns, is_extension
 from fnrl.models.hf_io import load_pretrained, save_pretrained
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, serve, stop_server
 from fnrl.shell.net import free_port
 from fnrl.trainer.step import token_logprobs
 from fnrl.types import Problem
@@ -64,7 +64,7 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory):
 def episodes(peaked_model_dir, tmp_path_factory):
     spec = ServerSpec(model_dir=str(peaked_model_dir), port=free_port(), max_model_len=32,
                       max_num_seqs=8)
-    proc = launch_server(spec, tmp_path_factory.mktemp("vllm") / "vllm.log")
+    spec, proc = serve(spec, tmp_path_factory.mktemp("vllm") / "vllm.log", timeout_s=300)
     sent = []
 
     async def run_all():
@@ -84,7 +84,6 @@ def episodes(peaked_model_dir, tmp_path_factory):
                     decode=lambda ids: TOK.decode(list(ids)), max_context=32))
             return out
     try:
-        wait_ready(spec.base_url, proc, timeout_s=300)
         return asyncio.run(run_all()), sent
     finally:
         stop_server(proc)

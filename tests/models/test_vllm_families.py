@@ -18,7 +18,7 @@ from fnrl.models.decoder import forward
 from fnrl.models.hf_io import load_pretrained
 from fnrl.models.synthetic import IM_END, build_bpe_tokenizer, write_checkpoint
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, serve, stop_server
 from fnrl.shell.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,6 @@ def tok_dir(tmp_path_factory):
 def _serve_greedy(model_dir, prompts, log_path):
     spec = ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=128,
                       max_num_seqs=4)
-    proc = launch_server(spec, log_path)
 
     async def sample():
         async with aiohttp.ClientSession() as session:
@@ -44,8 +43,8 @@ def _serve_greedy(model_dir, prompts, log_path):
             return await asyncio.gather(*[
                 client.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
                 for p in prompts])
+    spec, proc = serve(spec, log_path, timeout_s=300)
     try:
-        wait_ready(spec.base_url, proc, timeout_s=300)
         return [group[0] for group in asyncio.run(sample())]
     finally:
         stop_server(proc)

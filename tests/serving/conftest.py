@@ -15,7 +15,7 @@ import pytest
 
 from fnrl.relay.launch import launch_relay, stop_relay, wait_relay_ready
 from fnrl.shell.net import free_port
-from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, serve, stop_server
 
 SPECIAL_TOKENS = ("<pad>", "<eos>")
 PAD_ID, EOS_ID = 0, 1
@@ -101,9 +101,8 @@ def server_url(tiny_model_dir, tmp_path_factory):
         model_dir=str(tiny_model_dir), port=free_port(), max_model_len=256, max_num_seqs=64
     )
     log_path = tmp_path_factory.mktemp("server") / "vllm.log"
-    proc = launch_server(spec, log_path)
+    spec, proc = serve(spec, log_path, timeout_s=300)
     try:
-        wait_ready(spec.base_url, proc, timeout_s=300)
         yield spec.base_url
     finally:
         stop_server(proc)

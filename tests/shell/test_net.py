@@ -79,3 +79,68 @@ def test_a_server_whose_port_was_taken_starts_again_on_a_fresh_one(tmp_path, tin
             assert log.read_text().count("Address already in use") == 2
         finally:
             cluster.stop()
+
+
+def test_listens_on_names_the_process_that_holds_the_port():
+    import os
+
+    with squatted() as s:
+        port = s.getsockname()[1]
+        assert net.listens_on(os.getpid(), port) is True
+        assert net.listens_on(os.getpid(), net.free_port()) is False
+    assert net.listens_on(2**22 + 12345, port) is None   # no such process: cannot tell
+
+
+FAKE_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_health_answer_from_another_server_on_the_port_is_not_taken_for_ready(
+        tmp_path, monkeypatch):
+    """The port a server was given is held by another HTTP server whose /health answers
+    200 (a CI run's 401s came from one): `serve` does not take that answer for its own
+    server's, sees its own exit on "Address already in use", and starts it again on a
+    fresh port. (The server here is a stand-in launched through the same function.)"""
+    import http.server
+    import subprocess
+    import sys
+    import threading
+
+    from fnrl.serving import server as srv
+    from fnrl.shell import procs
+
+    def launch(spec, log_path):
+        return procs.spawn([sys.executable, "-c", FAKE_SERVER, str(spec.port)], log_path)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setattr(srv, "launch_server", launch)
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    try:
+        given = srv.ServerSpec(model_dir=str(tmp_path), port=taken, max_model_len=32,
+                               max_num_seqs=1)
+        spec, proc = srv.serve(given, tmp_path / "log", timeout_s=60)
+        try:
+            assert spec.port != taken and net.listens_on(proc.pid, spec.port)
+            assert (tmp_path / "log").read_text().count("Address already in use") == 1
+        finally:
+            srv.stop_server(proc)
+        assert isinstance(proc, subprocess.Popen) and proc.poll() is not None
+    finally:
+        other.shutdown()
+        other.server_close()

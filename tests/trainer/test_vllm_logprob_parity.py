@@ -14,7 +14,7 @@ import pytest
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.models.hf_io import load_pretrained, save_pretrained
 from fnrl.serving.client import RolloutClient
-from fnrl.serving.server import ServerSpec, launch_server, stop_server, wait_ready
+from fnrl.serving.server import ServerSpec, serve, stop_server
 from fnrl.shell.net import free_port
 from fnrl.types import Segment, Trajectory
 from fnrl.trainer.batching import build_batch
@@ -50,7 +50,7 @@ def completions(peaked_model_dir, tmp_path_factory, request):
     temperature, top_k, top_p = request.param
     spec = ServerSpec(model_dir=str(peaked_model_dir), port=free_port(), max_model_len=32,
                       max_num_seqs=16)
-    proc = launch_server(spec, tmp_path_factory.mktemp("vllm") / "vllm.log")
+    spec, proc = serve(spec, tmp_path_factory.mktemp("vllm") / "vllm.log", timeout_s=300)
     prompts = [tuple(int(t) for t in np.random.default_rng(i).integers(3, 20, 6)) for i in range(4)]
 
     async def sample():
@@ -61,7 +61,6 @@ def completions(peaked_model_dir, tmp_path_factory, request):
                                                           top_k=top_k, top_p=top_p)
                                           for i, p in enumerate(prompts)])
     try:
-        wait_ready(spec.base_url, proc, timeout_s=300)
         return prompts, asyncio.run(sample()), request.param
     finally:
         stop_server(proc)
