@@ -24,3 +24,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# Multi-turn tool calls run in bubblewrap sandboxes (fnrl.sandbox.kernel): a system package.
+if ! command -v bwrap >/dev/null 2>&1; then
+  as_root=""
+  [ "$(id -u)" = 0 ] || { sudo -n true 2>/dev/null && as_root="sudo -n"; }
+  if { [ "$(id -u)" = 0 ] || [ -n "$as_root" ]; } && command -v apt-get >/dev/null 2>&1; then
+    $as_root apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+      || { $as_root apt-get update -q >/dev/null 2>&1 && $as_root apt-get install -y -q bubblewrap >/dev/null; } \
+      || true
+  elif { [ "$(id -u)" = 0 ] || [ -n "$as_root" ]; } && command -v dnf >/dev/null 2>&1; then
+    $as_root dnf install -y -q bubblewrap >/dev/null || true
+  fi
+  command -v bwrap >/dev/null 2>&1 || echo "setup: bubblewrap (bwrap) is not installed and could not be" \
+    "installed from here. Multi-turn tool tasks refuse to start without it: install it" \
+    "(Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf install bubblewrap)," \
+    "or run them with --sandbox.allow-weaker (a Python guard, not a kernel boundary)." >&2
+fi

@@ -15,6 +15,7 @@ from fnrl.config.faults import FaultConfig
 from fnrl.config.gates import GatesConfig
 from fnrl.config.lora import LoraConfig
 from fnrl.config.relay import RelayConfig
+from fnrl.config.sandbox import SandboxConfig
 
 TRAIN_DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("xla", "cudnn")
@@ -413,6 +414,8 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     gates: GatesConfig = field(default_factory=GatesConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The tool sandbox of multi-turn tasks (fnrl.sandbox.pool)."""
 
     def __post_init__(self):
         positive(self, "steps")

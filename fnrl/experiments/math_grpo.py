@@ -62,7 +62,7 @@ from fnrl.experiments.profile_cost import COST_FILE_NAME, load_cost_model, resol
 from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
 from fnrl.policy.faults import check_injections, parse_injection
-from fnrl.sandbox.pool import SandboxPool
+from fnrl.sandbox.pool import Mode, SandboxPool, SandboxUnavailable, choose_mode
 from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
 from fnrl.shell.files import DiskFull, no_space, remove_unfinished_saves
 from fnrl.shell.net import free_port
@@ -110,17 +110,19 @@ def with_cost_file(cfg: RunConfig, model_dir: Path) -> tuple[RunConfig, Path | N
     return dataclasses.replace(cfg, coord=coord), path
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
+def prepare_run_dir(cfg: RunConfig, sandbox: Mode | None = None) -> Path:
     run_dir = Path(cfg.run_dir or f"runs/math_grpo-{time.strftime('%Y%m%d-%H%M%S')}").absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     save_json(cfg, run_dir / "config.json")
     (run_dir / "run_info.json").write_text(json.dumps(
-        {"seed": cfg.seed, "code": code_version(), "argv": sys.argv, "python": sys.version},
+        {"seed": cfg.seed, "code": code_version(), "argv": sys.argv, "python": sys.version,
+         **({"sandbox": {"mode": sandbox.name, "why": sandbox.why}} if sandbox else {})},
         indent=2))
     return run_dir
 
 
-async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO) -> dict:
+async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO,
+                   sandbox: Mode | None) -> dict:
     """One attempt: the trainer restores and publishes, the servers come up, the
     controller runs over handles to the roles, and the trainer shuts down."""
     trainer = LocalTrainer(cluster, timeout_s=cfg.trainer.call_timeout_s,
@@ -145,7 +147,7 @@ async def _attempt(cfg: RunConfig, run_dir: Path, cluster: Cluster, task: TaskIO
         evaluator = (HttpEvalServer(cluster, session, timeout_s=cfg.rollout.request_timeout_s)
                      if cfg.eval.server == "dedicated" else None)
         # Multi-turn environments run their tools in the sandbox (a role handle too).
-        tools = SandboxPool() if cfg.task.env != "math" else None
+        tools = SandboxPool(cfg.sandbox, mode=sandbox) if sandbox else None
         roles = Roles(trainer=trainer, rollouts=rollouts, relays=LocalRelays(cluster),
                       evaluator=evaluator, tools=tools)
         writer = MetricsWriter(run_dir)
@@ -264,7 +266,12 @@ def run(cfg: RunConfig) -> dict:
 def _run(cfg: RunConfig) -> dict:
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
-    run_dir = prepare_run_dir(cfg)
+    # Multi-turn tools: the sandbox's mode is settled before anything is written, so a
+    # machine that cannot isolate tool calls as configured is told at once.
+    sandbox = choose_mode(cfg.sandbox) if cfg.task.env != "math" else None
+    if sandbox:
+        print(f"tool sandbox: {sandbox.describe()}", flush=True)
+    run_dir = prepare_run_dir(cfg, sandbox)
     # A journal damaged in the middle would train groups twice: refused before any role
     # starts, naming the file and offset (fnrl.control.journal.check).
     journal.check(run_dir / "journal.jsonl")
@@ -282,7 +289,7 @@ def _run(cfg: RunConfig) -> dict:
             # journal says was taken.
             summary = _run_once(cfg, model_dir, run_dir,
                                 dataclasses.replace(task, prompts=copy.deepcopy(task.prompts)),
-                                gpu)
+                                gpu, sandbox)
             break
         except JobRestart as err:
             restarts += 1
@@ -322,7 +329,7 @@ def server_specs(cfg: RunConfig, model_dir: Path) -> list[ServerSpec]:
 
 
 def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
-              gpu=None) -> dict:
+              gpu=None, sandbox: Mode | None = None) -> dict:
     """Starts every role, runs one attempt to the end (or a JobRestart), stops them."""
     launcher = make_launcher(cfg, gpu)
     cluster = Cluster(run_dir, launcher)
@@ -343,7 +350,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(relays)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
-        return asyncio.run(_attempt(cfg, run_dir, cluster, task))
+        return asyncio.run(_attempt(cfg, run_dir, cluster, task, sandbox))
     finally:
         cluster.stop()
         launcher.close()
@@ -445,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     except RoleError as err:
         print(f"fnrl: {err}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError) as err:  # bad input: say what, no traceback
+    except (FileNotFoundError, ValueError, SandboxUnavailable) as err:  # say what, no traceback
         print(f"fnrl: {err}", file=sys.stderr)
         return 2
     except Stopped as stop:   # roles already stopped by the handler (Cluster.stop_on_signals)

@@ -1,80 +1,70 @@
-"""A pool of sandboxed worker processes that runs tool calls without blocking the loop.
+"""The tool sandbox's front door: `SandboxPool(cfg)` runs tool calls in the mode the
+run asked for, or refuses to start.
+
+Modes, strongest first: "kernel" (fnrl.sandbox.kernel: a fresh bubblewrap sandbox per
+call, namespaces, a read-only view, a seccomp filter) and "hook" (fnrl.sandbox.hook:
+persistent workers behind a Python audit hook and rlimits). `choose_mode` probes the
+machine; a mode weaker than `cfg.isolation` raises `SandboxUnavailable`, naming what is
+missing, unless `cfg.allow_weaker`. The mode in use is `pool.mode`, logged at start and
+written to the run's run_info.json (fnrl.experiments.math_grpo).
 
 `SandboxPool` implements fnrl.envs.base.ToolRunner: `await pool.call(name, arguments)`
-takes an idle worker (fnrl.sandbox.worker), sends it the call and awaits the reply
-with the call's wall-clock timeout, so the event loop keeps serving while tools run.
-A call that hangs is cut off at `timeout_s` (its worker's process group is killed); a
-call that kills its worker (a crash, SIGXCPU past its CPU time) is reported with the
-reason read from the exit status; either way a fresh
-worker replaces the dead one and the pool keeps serving. Every worker has a private
-temporary directory, removed when it exits, so nothing is left behind; `close()` (or
-`async with`) ends them all. `counts` tallies the calls by reason, for metrics.
+never raises for what the tool does; `counts` tallies the calls by reason.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import shutil
-import signal
-import sys
-import tempfile
-import time
-from dataclasses import asdict
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from fnrl.config.sandbox import SandboxConfig
 from fnrl.envs.base import ToolResult
+from fnrl.sandbox import kernel
+from fnrl.sandbox.hook import HookPool
 
 log = logging.getLogger(__name__)
 
-# The worker's entry: fnrl is found from this checkout's root (sys.argv[1]) even when it
-# is not installed, since -I ignores PYTHONPATH; the limits are sys.argv[2].
-_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from fnrl.sandbox.worker import main; main()"
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
 
-# A worker's exit status -> reason. SIGKILL that the pool did not send is ambiguous (the
-# kernel's OOM killer, the CPU hard limit, someone else): it stays "crashed".
-_EXIT_REASONS = {-signal.SIGXCPU: "cpu_limit"}
+class SandboxUnavailable(RuntimeError):
+    """The configured isolation cannot run on this machine (and weaker was not allowed)."""
 
 
-class _Worker:
-    """One worker process, its private directory and its call count."""
+@dataclass(frozen=True)
+class Mode:
+    name: str      # "kernel" or "hook"
+    why: str       # what was found, in words
 
-    def __init__(self, proc: asyncio.subprocess.Process, root: str):
-        self.proc, self.root, self.calls = proc, root, 0
+    def describe(self) -> str:
+        return f"{self.name}: {self.why}"
 
-    def kill(self) -> None:
-        """SIGKILL to its whole process group (tool code cannot outlive it)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
-    async def reap(self) -> int:
-        """Waits for the exit, removes the directory; the exit status."""
-        rc = await self.proc.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
-        return rc
+def choose_mode(cfg: SandboxConfig) -> Mode:
+    """The mode tool calls will run in here; raises SandboxUnavailable when it would be
+    weaker than `cfg.isolation` and `cfg.allow_weaker` is off."""
+    if cfg.isolation == "hook":
+        return Mode("hook", "configured (sandbox.isolation=hook): a Python audit hook and "
+                            "rlimits, not a kernel boundary")
+    ok, why = kernel.probe(cfg)
+    if ok:
+        return Mode("kernel", why)
+    if cfg.allow_weaker:
+        return Mode("hook", f"the kernel mode cannot run here ({why}); the weaker audit-hook "
+                            "mode was allowed (--sandbox.allow-weaker)")
+    raise SandboxUnavailable(
+        f"the tool sandbox cannot isolate tool calls by the kernel here: {why}. Fix that, "
+        "or run with --sandbox.allow-weaker to accept the weaker audit-hook mode (a Python "
+        "guard, not a boundary: docs/environments.md, 'The sandbox')")
 
 
 class SandboxPool:
-    """Sandboxed tool execution (see the module docstring). Use as `async with`."""
+    """Tool calls in the configured mode (see the module docstring). Use as `async with`."""
 
-    def __init__(self, cfg: SandboxConfig | None = None):
+    def __init__(self, cfg: SandboxConfig | None = None, *, mode: Mode | None = None):
         self.cfg = cfg or SandboxConfig()
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
-        self._live: set[_Worker] = set()
-        self._next_id = 0
-        self.network_mode = ""
-        """How workers are kept off the network: "netns", "userns+netns" or "audit_hook"."""
-        self.worker_user = ""
-        """Which user the workers run as, and why."""
-        self.counts: dict[str, int] = {}
-        self._closed = False
+        self.mode = mode
+        self._impl: kernel.KernelPool | HookPool | None = None
 
     async def __aenter__(self) -> SandboxPool:
         await self.start()
@@ -84,121 +74,26 @@ class SandboxPool:
         await self.close()
 
     async def start(self) -> None:
-        """Starts `cfg.workers` workers and logs how the network is cut off."""
-        for w in await asyncio.gather(*(self._spawn() for _ in range(self.cfg.workers))):
-            self._idle.put_nowait(w)
-
-    async def _spawn(self) -> _Worker:
-        root = tempfile.mkdtemp(prefix="fnrl-sandbox-")
-        limits = json.dumps(asdict(self.cfg))
-        # -I: no PYTHON* variables, no user site, no cwd on sys.path; a minimal environment.
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": root, "HOME": root,
-               "LANG": "C.UTF-8"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", _BOOT, _SOURCE_ROOT, limits, cwd=root, env=env,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-            limit=4 * self.cfg.max_output_chars + (1 << 16))
-        worker = _Worker(proc, root)
-        self._live.add(worker)
-        try:
-            hello = json.loads(await asyncio.wait_for(proc.stdout.readline(),
-                                                      self.cfg.start_timeout_s))
-        except (asyncio.TimeoutError, json.JSONDecodeError) as e:
-            worker.kill()
-            rc = await worker.reap()
-            self._live.discard(worker)
-            raise RuntimeError(f"sandbox worker did not start (exit status {rc}): {e!r}") from e
-        if hello["hello"] != self.network_mode:
-            self.network_mode = hello["hello"]
-            self.worker_user = hello["user"]
-            log.info("sandbox network isolation: %s (%s); worker user: %s",
-                     hello["hello"], hello["why"], hello["user"])
-        return worker
-
-    async def _retire(self, worker: _Worker) -> int:
-        worker.kill()
-        rc = await worker.reap()
-        self._live.discard(worker)
-        return rc
+        if self.mode is None:
+            self.mode = await asyncio.to_thread(choose_mode, self.cfg)
+        impl = kernel.KernelPool(self.cfg) if self.mode.name == "kernel" else HookPool(self.cfg)
+        await impl.start()
+        self._impl = impl
+        log.info("tool sandbox: %s", self.mode.describe())
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
-        """Runs tool `name` ("calculator", "python") on an idle worker; never raises for
-        what the tool does: a cut-off call is a ToolResult with its reason."""
-        if self._closed:
-            raise RuntimeError("SandboxPool.call after close()")
-        worker = await self._idle.get()
-        start = time.monotonic()
-        self._next_id += 1
-        request = json.dumps({"id": self._next_id, "tool": name, "args": dict(arguments)})
-        replacement = answered = False
-        try:
-            worker.proc.stdin.write(request.encode() + b"\n")
-            await worker.proc.stdin.drain()
-            line = await asyncio.wait_for(worker.proc.stdout.readline(), self.cfg.timeout_s)
-            if line:
-                reply = json.loads(line)
-                text, reason = reply["text"], reply["reason"]
-                answered = True
-            else:   # the worker died during the call
-                rc = await self._retire(worker)
-                replacement = True
-                if self._closed:   # close() killed it: not the tool's doing
-                    reason, text = "crashed", "error: the sandbox was closed during the call"
-                else:
-                    reason = _EXIT_REASONS.get(rc, "crashed")
-                    text = f"error: the tool's process ended ({_describe(rc)})"
-        except asyncio.TimeoutError:
-            await self._retire(worker)
-            replacement = True
-            text, reason = f"error: the tool ran past its {self.cfg.timeout_s:g} s limit", "timeout"
-        except (BrokenPipeError, ConnectionResetError):
-            rc = await self._retire(worker)
-            replacement = True
-            text, reason = f"error: the tool's process ended ({_describe(rc)})", "crashed"
-        finally:
-            worker.calls += 1
-            # Recycled after its quota, or retired when the call was cancelled mid-way
-            # (its reply would still be in the pipe).
-            if not replacement and (not answered or worker.calls >= self.cfg.recycle_after):
-                await self._retire(worker)
-                replacement = True
-            # A cancelled call still returns a worker, so the pool never shrinks.
-            if self._closed:   # close() ran during the call: nothing comes back
-                await self._retire(worker)
-            elif replacement:
-                self._idle.put_nowait(await self._spawn())
-            else:
-                self._idle.put_nowait(worker)
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        return ToolResult(text=text, reason=reason, elapsed_s=time.monotonic() - start)
+        if self._impl is None:
+            raise RuntimeError("SandboxPool.call before start()")
+        return await self._impl.call(name, arguments)
 
     async def close(self) -> None:
-        """Kills every worker (idle or busy) and removes their directories; calls in
-        flight end as crashed, and the pool takes no more."""
-        self._closed = True
-        for worker in list(self._live):
-            await self._retire(worker)
-        while not self._idle.empty():
-            self._idle.get_nowait()
+        if self._impl is not None:
+            await self._impl.close()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self._impl.counts if self._impl is not None else {}
 
     @property
     def pids(self) -> tuple[int, ...]:
-        """The live workers' process ids (tests check they are gone after close)."""
-        return tuple(w.proc.pid for w in self._live)
-
-    @property
-    def idle_workers(self) -> int:
-        """Workers waiting for a call."""
-        return self._idle.qsize()
-
-    @property
-    def dirs(self) -> tuple[str, ...]:
-        """The live workers' private directories (removed when each worker ends)."""
-        return tuple(w.root for w in self._live)
-
-
-def _describe(rc: int) -> str:
-    if rc < 0:
-        return f"signal {signal.Signals(-rc).name}"
-    return f"exit status {rc}"
+        return self._impl.pids if self._impl is not None else ()

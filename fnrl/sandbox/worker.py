@@ -210,7 +210,9 @@ def run_call(tool: str, args: dict, cap: int) -> tuple[str, str]:
         return _with_output(out, f"error: SystemExit({e.code})"), "error"
     except Exception as e:  # the tool's own error is its reply, as a traceback's last line
         tail = traceback.format_exception_only(type(e), e)[-1].strip()
-        return _with_output(out, f"error: {tail}"), "error"
+        # Refused by the kernel (the seccomp filter, a read-only mount, the uid).
+        return _with_output(out, f"error: {tail}"), ("forbidden" if isinstance(
+            e, PermissionError) else "error")
     finally:
         sys.stdout, sys.stderr = old
 
@@ -246,6 +248,39 @@ def main() -> None:
             os.chdir(root)
             shutil.rmtree(workdir, ignore_errors=True)
         send({"id": req["id"], "text": text[:limits["max_output_chars"] + 64], "reason": reason})
+
+
+# Kernel mode (fnrl.sandbox.kernel): a call's reason is its sandbox's exit status.
+EXIT_CODES = {"ok": 0, "error": 65, "bad_call": 66, "memory": 67, "output_limit": 68,
+              "forbidden": 69}
+READY = b"fnrl-sandbox-ready\n"
+
+
+def run_once() -> None:
+    """Kernel mode's entry, inside a bubblewrap sandbox (fnrl.sandbox.kernel): sets the
+    call's limits, says it is ready, reads one call from stdin, prints its reply text to
+    stdout and exits with its reason's code. No hook: the namespaces, the read-only view
+    and the seccomp filter around this process are the boundary."""
+    limits = json.loads(sys.argv[-1])
+    mib = 1 << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mib,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] * mib,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    # SIGXCPU at cpu_s (the reason cpu_limit), SIGKILL a second later if it is caught.
+    cpu = int(_cpu_used()) + limits["cpu_s"]
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    for name in PRELOAD + ("fnrl.envs.calculator",):
+        __import__(name)
+    os.write(1, READY)
+    req = json.loads(sys.stdin.readline())
+    os.close(0)
+    cap = limits["max_output_chars"]
+    text, reason = run_call(req["tool"], req.get("args") or {}, cap)
+    data = text[:cap + 64].encode("utf-8", "replace")
+    while data:
+        data = data[os.write(1, data):]
+    os._exit(EXIT_CODES.get(reason, EXIT_CODES["error"]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""The sandbox contains the five threats (hang, crash, flood, memory bomb, network),
-reports each with its reason, and keeps serving; nothing is left behind."""
+"""The weaker sandbox mode (fnrl.sandbox.hook, `--sandbox.isolation hook`): its workers
+contain the five threats (hang, crash, flood, memory bomb, network), report each with
+its reason, and keep serving; nothing is left behind. What it does not contain is in
+test_kernel_sandbox.py, which the kernel mode passes."""
 
 import asyncio
 import os
@@ -10,7 +12,7 @@ import sys
 import pytest
 
 from fnrl.config.sandbox import SandboxConfig
-from fnrl.sandbox.pool import SandboxPool
+from fnrl.sandbox.hook import HookPool as SandboxPool
 
 
 def gone(pid: int) -> bool:
