@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -117,7 +116,7 @@ class KernelPool:
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
         self.counts: dict[str, int] = {}
-        self._filter: str | None = None       # the compiled seccomp filter's file
+        self._filter: bytes | None = None     # the compiled seccomp filter (BPF)
         self._ready: asyncio.Queue[asyncio.Task[_Sandbox]] = asyncio.Queue()
         self._slots = asyncio.Semaphore(self.cfg.workers)
         self._live: set[_Sandbox] = set()
@@ -133,11 +132,7 @@ class KernelPool:
     async def start(self) -> None:
         """Compiles the filter and starts `workers` sandboxes; raises RuntimeError with
         bwrap's own words if one cannot start."""
-        bpf = seccomp.compile_filter()
-        if bpf is not None:
-            fd, self._filter = tempfile.mkstemp(prefix="fnrl-seccomp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(bpf)
+        self._filter = seccomp.compile_filter()
         first = [asyncio.ensure_future(self._spawn()) for _ in range(self.cfg.workers)]
         try:
             await asyncio.gather(*first)
@@ -151,7 +146,7 @@ class KernelPool:
             self._ready.put_nowait(task)
 
     async def _spawn(self) -> _Sandbox:
-        fd = os.open(self._filter, os.O_RDONLY) if self._filter else None
+        fd = _memfd(self._filter) if self._filter else None
         try:
             proc = await asyncio.create_subprocess_exec(
                 *command(self.cfg, fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -236,8 +231,8 @@ class KernelPool:
             f"error: the tool's process ended ({how})", "crashed"
 
     async def close(self) -> None:
-        """Kills every sandbox (calls in flight end as crashed) and removes the filter's
-        file; the pool takes no more calls."""
+        """Kills every sandbox (calls in flight end as crashed); the pool takes no more
+        calls."""
         self._closed = True
         while not self._ready.empty():   # started ahead: awaited, never cancelled mid-start
             try:
@@ -247,14 +242,20 @@ class KernelPool:
         for sandbox in list(self._live):
             await sandbox.end()
         self._live.clear()
-        if self._filter:
-            Path(self._filter).unlink(missing_ok=True)
-            self._filter = None
 
     @property
     def pids(self) -> tuple[int, ...]:
         """The live sandboxes' bwrap process ids (tests check they are gone after close)."""
         return tuple(s.proc.pid for s in self._live)
+
+
+def _memfd(data: bytes) -> int:
+    """An anonymous in-memory file holding `data`, at offset 0 (bwrap reads the filter
+    from it; nothing is left on any disk, whatever ends the pool)."""
+    fd = os.memfd_create("fnrl-seccomp")
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _status(rc: int) -> str:
@@ -288,16 +289,16 @@ def probe(cfg: SandboxConfig) -> tuple[bool, str]:
     bpf = seccomp.compile_filter()
     if bpf is None:
         return False, "libseccomp (libseccomp.so.2) is not installed: no seccomp filter"
-    with tempfile.TemporaryFile() as f:
-        f.write(bpf)
-        f.seek(0)
-        argv = command(cfg, f.fileno())
+    fd = _memfd(bpf)
+    try:
+        argv = command(cfg, fd)
         argv[argv.index("-c") + 1] = "print('ok')"
-        try:
-            done = subprocess.run(argv, pass_fds=(f.fileno(),), capture_output=True,
-                                  timeout=cfg.start_timeout_s, preexec_fn=_as_user(cfg.user))
-        except subprocess.TimeoutExpired:
-            return False, f"a bubblewrap sandbox did not start in {cfg.start_timeout_s:g} s"
+        done = subprocess.run(argv, pass_fds=(fd,), capture_output=True,
+                              timeout=cfg.start_timeout_s, preexec_fn=_as_user(cfg.user))
+    except subprocess.TimeoutExpired:
+        return False, f"a bubblewrap sandbox did not start in {cfg.start_timeout_s:g} s"
+    finally:
+        os.close(fd)
     if done.returncode != 0 or done.stdout.strip() != b"ok":
         said = (done.stderr or done.stdout).decode(errors="replace").strip()[-500:]
         return False, (f"a bubblewrap sandbox failed here (exit status {done.returncode}): "

@@ -1,17 +1,19 @@
-"""What tool calls cost through the sandbox, and whether they block the event loop.
+"""What tool calls cost through the sandbox, in both modes side by side, and whether
+they block the event loop.
 
     python -m lab.benchmarks.sandbox                 # 200 calls of each kind, 2 workers
     python -m lab.benchmarks.sandbox --calls 500 --workers 4
 
-Measured side by side in one run:
-  inline      the calculator evaluated on the event loop (fnrl.envs.base.InlineCalculator);
-  calc        the calculator through SandboxPool (a pipe round trip to a worker);
-  python      a small Python tool call through the pool;
-  respawn     a crashing call (os._exit): the reply plus a fresh worker started;
+Measured in one run, for the kernel mode (a fresh bubblewrap sandbox per call,
+fnrl.sandbox.kernel) and the audit-hook mode (persistent workers, fnrl.sandbox.hook):
+  calc        the calculator, one call at a time (p50 and p99 ms per call);
+  python      a small Python tool call, one at a time;
+  crash       a crashing call (os._exit) and what replaces its process;
+  throughput  calls per second with `workers` calls always in flight;
   loop lag    the event loop's worst delay (a 1 ms ticker) while `workers` calls burn
-              their CPU limit at once (the busy loop SIGXCPU ends), against the same
-              ticker with the loop idle.
-Prints one JSON object: per kind, p50 and p99 milliseconds per call, and the lag ratio.
+              their CPU limit at once, against the same ticker with the loop idle.
+Also the calculator inline on the loop (fnrl.envs.base.InlineCalculator), and the ratios
+kernel / hook. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -55,15 +57,27 @@ async def _max_lag(work) -> float:
     return worst
 
 
-async def main(calls: int, workers: int) -> dict:
-    inline = InlineCalculator()
-    out = {"inline": await _timed(lambda i: inline.call("calculator", {"expression": f"{i}*389"}), calls)}
-    async with SandboxPool(SandboxConfig(workers=workers, cpu_s=1, timeout_s=60.0)) as pool:
+async def _throughput(pool: SandboxPool, n: int, workers: int) -> float:
+    """Calls per second with `workers` calls in flight."""
+    t = time.perf_counter()
+
+    async def stream(k: int):
+        for i in range(k, n, workers):
+            await pool.call("calculator", {"expression": f"{i}*389"})
+    await asyncio.gather(*(stream(k) for k in range(workers)))
+    return round(n / (time.perf_counter() - t), 1)
+
+
+async def _mode(isolation: str, calls: int, workers: int) -> dict:
+    cfg = SandboxConfig(isolation=isolation, workers=workers, cpu_s=1, timeout_s=60.0)
+    async with SandboxPool(cfg) as pool:
+        out = {"mode": pool.mode.describe()}
         out["calc"] = await _timed(lambda i: pool.call("calculator", {"expression": f"{i}*389"}), calls)
         out["python"] = await _timed(
             lambda i: pool.call("python", {"code": f"sum(range({i}))"}), calls)
-        out["respawn"] = await _timed(
+        out["crash"] = await _timed(
             lambda i: pool.call("python", {"code": "import os\nos._exit(1)"}), max(calls // 20, 5))
+        out["throughput_calls_per_s"] = await _throughput(pool, calls, workers)
 
         async def burn():
             await asyncio.gather(*(pool.call("python", {"code": "while True:\n    pass"})
@@ -72,8 +86,21 @@ async def main(calls: int, workers: int) -> dict:
         busy = await _max_lag(burn)
         out["loop_lag"] = {"idle_max_ms": round(idle, 2), "burning_max_ms": round(busy, 2),
                            "workers_burning": workers}
-        out["reasons"] = pool.counts
-        out["network_mode"], out["worker_user"] = pool.network_mode, pool.worker_user
+        out["reasons"] = dict(pool.counts)
+    return out
+
+
+async def main(calls: int, workers: int) -> dict:
+    inline = InlineCalculator()
+    out = {"inline": await _timed(lambda i: inline.call("calculator", {"expression": f"{i}*389"}), calls)}
+    for isolation in ("kernel", "hook"):
+        out[isolation] = await _mode(isolation, calls, workers)
+    k, h = out["kernel"], out["hook"]
+    out["kernel_over_hook"] = {
+        "calc_p50": round(k["calc"]["p50_ms"] / h["calc"]["p50_ms"], 2),
+        "python_p50": round(k["python"]["p50_ms"] / h["python"]["p50_ms"], 2),
+        "crash_p50": round(k["crash"]["p50_ms"] / h["crash"]["p50_ms"], 2),
+        "throughput": round(k["throughput_calls_per_s"] / h["throughput_calls_per_s"], 2)}
     return out
 
 

@@ -11,9 +11,12 @@ the real sandbox, so episodes have several turns whatever the model knows of too
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import time
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +90,13 @@ def arith_model(cache_dir):
     return ["--model.model-dir", str(model_dir)]
 
 
+def _read(path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:   # the process ended while listed
+        return b""
+
+
 def logged_trajectories(run_dir):
     out = {}
     for g in read_jsonl(run_dir / "trajectories.jsonl"):
@@ -139,10 +149,62 @@ def check_trained_on_the_sampled_ids_with_tool_results_masked(run_dir, steps: in
     assert multi > 0
 
 
-def test_tool_arith_runs_through_the_loop(tmp_path, cache_dir):
+ATTACK = """
+import _posixsubprocess, os, signal, sys
+r, w = os.pipe()
+args = [[sys.executable, '-c', 'import time; time.sleep(600)', '{marker}'],
+        [os.fsencode(sys.executable)], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w,
+        True, True, -1, None, None, None, -1, None]
+for attempt in (lambda: _posixsubprocess.fork_exec(*args, False),
+                lambda: _posixsubprocess.fork_exec(*args),
+                lambda: os.kill({controller}, signal.SIGKILL),
+                lambda: os.mkfifo('/tmp/{marker}'),
+                lambda: os.mkfifo('/dev/shm/{marker}'),
+                lambda: open('{run_dir}/{marker}', 'w').write('x')):
+    try:
+        attempt()
+    except BaseException:
+        pass
+'attacked'
+"""
+
+
+class AttackingToolArith(ENVS["tool_arith"]):
+    """tool_arith whose every training turn first runs a hostile tool call: a process
+    meant to outlive it, a SIGKILL to the controller, fifos in /tmp and /dev/shm, a
+    file in the run dir."""
+
+    code = ""
+    results: list = []
+
+    async def step(self, action, *, num_tokens=0):
+        if isinstance(self._runner, SandboxPool):   # training episodes' tools: the sandbox
+            self.results.append(await self._runner.call("python", {"code": self.code}))
+        return await super().step(action, num_tokens=num_tokens)
+
+
+def test_tool_arith_runs_through_the_loop_with_a_tool_that_attacks(tmp_path, cache_dir,
+                                                                   monkeypatch):
+    """The tool task trains in the kernel sandbox while every training turn's tool call
+    attacks; the run ends with nothing left behind: no process, no file outside the run
+    dir, the controller alive."""
     run_dir = tmp_path / "run"
+    marker = f"fnrl-attack-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setattr(AttackingToolArith, "code", ATTACK.format(
+        marker=marker, controller=os.getpid(), run_dir=run_dir))
+    monkeypatch.setattr(AttackingToolArith, "results", [])
+    monkeypatch.setitem(ENVS, "tool_arith", AttackingToolArith)
     assert main(["--steps", "2", "--run-dir", str(run_dir), "--task.env", "tool_arith",
                  "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["sandbox"]["mode"] == "kernel", info["sandbox"]
+    attacks = AttackingToolArith.results
+    assert attacks and all(r.reason == "ok" and "attacked" in r.text for r in attacks)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+            and marker.encode() in _read(p / "cmdline")]
+    assert not left, "a process a tool call started outlived the run"
+    escaped = [p for d in (Path("/tmp"), Path("/dev/shm"), run_dir) for p in d.glob(f"{marker}*")]
+    assert not escaped, f"a tool call wrote outside its sandbox: {escaped}"
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["turns_mean"] >= 1.0 and "tool_success_rate" in r for r in train)

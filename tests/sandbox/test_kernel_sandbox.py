@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -56,6 +57,8 @@ def _configs() -> list:
 @pytest.fixture(params=_configs())
 def cfg(request) -> SandboxConfig:
     ok, why = kernel.probe(request.param)
+    if not ok and os.environ.get("CI") and request.param.user is None:
+        pytest.fail(f"CI: scripts/setup.sh did not leave a working kernel sandbox: {why}")
     if not ok:
         pytest.skip(f"no kernel sandbox on this machine: {why}")
     return request.param
@@ -291,3 +294,38 @@ def test_a_mode_weaker_than_configured_is_refused_unless_allowed(monkeypatch):
     mode = choose_mode(SandboxConfig(allow_weaker=True))
     assert mode.name == "hook" and "bubblewrap is not installed" in mode.why
     assert choose_mode(SandboxConfig(isolation="hook")).name == "hook"
+
+
+def test_a_pool_killed_mid_call_leaves_no_sandbox_behind(cfg, tmp_path):
+    """SIGKILL to the process that owns the pool, while a call hangs and sandboxes wait
+    ready: bwrap dies with its parent, and every process of its namespace with it."""
+    tag = 4000 + uuid.uuid4().int % 1000   # an odd tmpfs size marks this pool's sandboxes
+    marker = f'"tmp_mb": {tag},'
+    script = (
+        "import asyncio, sys\n"
+        "from fnrl.config.sandbox import SandboxConfig\n"
+        "from fnrl.sandbox.pool import SandboxPool\n"
+        "async def go():\n"
+        f"    cfg = SandboxConfig(workers=2, tmp_mb={tag}, timeout_s=600, user={cfg.user!r},"
+        f" python={cfg.python!r})\n"
+        "    async with SandboxPool(cfg) as pool:\n"
+        "        print('calling', flush=True)\n"
+        "        await pool.call('python', {'code': 'import time\\ntime.sleep(600)'})\n"
+        "asyncio.run(go())\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=str(Path(kernel.PACKAGE).parent))
+    try:
+        assert child.stdout.readline().strip() == "calling"
+        for _ in range(600):   # the call's sandbox and the ones started ahead are up
+            if len(_processes_with(marker)) >= 3:
+                break
+            time.sleep(0.05)
+        assert _processes_with(marker), "no sandbox of the pool was seen running"
+    finally:
+        child.kill()
+        child.wait()
+    for _ in range(200):   # the kernel tears the namespaces down
+        if not _processes_with(marker):
+            break
+        subprocess.run(["sleep", "0.05"])
+    assert not _processes_with(marker), "a sandbox outlived the pool's process"
