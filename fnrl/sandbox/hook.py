@@ -140,7 +140,8 @@ class HookPool:
         try:
             worker.proc.stdin.write(request.encode() + b"\n")
             await worker.proc.stdin.drain()
-            line = await asyncio.wait_for(worker.proc.stdout.readline(), self.cfg.timeout_s)
+            async with asyncio.timeout(self.cfg.timeout_s):   # not wait_for (kernel.py)
+                line = await worker.proc.stdout.readline()
             reply = _reply(line, call_id) if line else None
             if reply is not None:
                 text, reason = reply

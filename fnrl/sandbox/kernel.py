@@ -158,8 +158,9 @@ class KernelPool:
         sandbox = _Sandbox(proc)
         self._live.add(sandbox)
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), self.cfg.start_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.cfg.start_timeout_s):
+                line = await proc.stdout.readline()
+        except TimeoutError:
             line = b""
         if line != READY:
             sandbox.kill()
@@ -211,8 +212,12 @@ class KernelPool:
             out = await _read_capped(proc.stdout, room)
             return out, (None if len(out) > room else await proc.wait())
         try:
-            out, rc = await asyncio.wait_for(exchange(), self.cfg.timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can return the
+            # result and drop a cancellation that lands as the call ends, and a cancelled
+            # episode must not go on with its tool's reply.
+            async with asyncio.timeout(self.cfg.timeout_s):
+                out, rc = await exchange()
+        except TimeoutError:
             return f"error: the tool ran past its {self.cfg.timeout_s:g} s limit", "timeout"
         except (BrokenPipeError, ConnectionResetError):
             out, rc = b"", await proc.wait()
