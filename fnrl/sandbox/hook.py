@@ -53,10 +53,7 @@ class _Worker:
 
     def kill(self) -> None:
         """SIGKILL to its whole process group (tool code cannot outlive it)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(self.proc.pid)
 
     async def reap(self) -> int:
         """Waits for the exit, removes the directory; the exit status."""
@@ -211,6 +208,14 @@ class HookPool:
     def dirs(self) -> tuple[str, ...]:
         """The live workers' private directories (removed when each worker ends)."""
         return tuple(w.root for w in self._live)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group `pid` leads, if it is still there."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 _REASONS = frozenset({"ok", "error", "bad_call", "output_limit", "memory", "network",

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 from fnrl.config.sandbox import SandboxConfig
 from fnrl.envs.base import ToolResult
 from fnrl.sandbox import seccomp
+from fnrl.sandbox.hook import kill_group
 from fnrl.sandbox.worker import EXIT_CODES, READY
 
 PACKAGE = Path(__file__).resolve().parents[1]        # the `fnrl` package directory
@@ -98,10 +99,7 @@ class _Sandbox:
     def kill(self) -> None:
         """SIGKILL to bwrap: its pid 1 dies with it (--die-with-parent), and with that the
         kernel ends every process of the sandbox's pid namespace."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(self.proc.pid)
 
     async def end(self) -> None:
         """Kills it and drains its pipe to the end (its transport closes with it)."""

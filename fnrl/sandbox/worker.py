@@ -150,14 +150,14 @@ def drop_privileges(root: str) -> str:
     return f"uid {NOBODY} (dropped from root)"
 
 
-def _set_limits(limits: dict) -> None:
+def _set_limits(limits: dict, cpu_s: tuple[int, int]) -> None:
+    """Address space, file size, open files, no core files, and CPU time (soft, hard)."""
     mib = 1 << 20
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mib,) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] * mib,) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    lifetime = limits["cpu_s"] * (limits["recycle_after"] + 1) + 5
-    resource.setrlimit(resource.RLIMIT_CPU, (lifetime, lifetime))
+    resource.setrlimit(resource.RLIMIT_CPU, cpu_s)
 
 
 def _cpu_used() -> float:
@@ -228,7 +228,8 @@ def main() -> None:
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     mode, why = leave_network()
-    _set_limits(limits)
+    lifetime = limits["cpu_s"] * (limits["recycle_after"] + 1) + 5   # each call adds cpu_s
+    _set_limits(limits, (lifetime, lifetime))
     root = os.path.realpath(os.getcwd())
     for name in PRELOAD + ("fnrl.envs.calculator",):
         __import__(name)
@@ -269,14 +270,9 @@ def run_once() -> None:
     stdout and exits with its reason's code. No hook: the namespaces, the read-only view
     and the seccomp filter around this process are the boundary."""
     limits = json.loads(sys.argv[-1])
-    mib = 1 << 20
-    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mib,) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_mb"] * mib,) * 2)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     # SIGXCPU at cpu_s (the reason cpu_limit), SIGKILL a second later if it is caught.
     cpu = int(_cpu_used()) + limits["cpu_s"]
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    _set_limits(limits, (cpu, cpu + 1))
     # Nothing preloaded but the calculator: the standard library is readable in the
     # sandbox, and every module imported here is paid on every call's start.
     __import__("fnrl.envs.calculator")
