@@ -55,26 +55,25 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A random tiny Qwen2 with fnrl's arithmetic tokenizer, as an HF directory."""
-    from fnrl.config import ModelConfig
-    from fnrl.data.arith import BOS, EOS, PAD, build_tokenizer, save_tokenizer
-    from fnrl.experiments.warm_start import model_config
-    from fnrl.models.hf_io import save_pretrained
-    from fnrl.models.decoder import init_model
+def char_tokenizer_dir(tmp_path_factory) -> Path:
+    """fnrl's embedded character-level tokenizer (fnrl.data.arith): <bos>/<eos>/<pad>, no
+    chat template."""
+    from fnrl.data.arith import build_tokenizer, save_tokenizer
 
-    tok = build_tokenizer()
-    tok_dir = tmp_path_factory.mktemp("tok")
-    save_tokenizer(tok, tok_dir)
-    cfg = model_config(ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=32),
-                       -(-tok.get_vocab_size() // 16) * 16,
-                       {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)})
-    _, params = init_model(cfg, seed=0)
-    out = tmp_path_factory.mktemp("models") / "tiny"
-    save_pretrained(out, cfg, params, tokenizer_dir=tok_dir)
+    out = tmp_path_factory.mktemp("char-tokenizer")
+    save_tokenizer(build_tokenizer(), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, char_tokenizer_dir) -> Path:
+    """A random tiny Qwen2 with fnrl's arithmetic tokenizer, as an HF directory: the
+    embedded model's layout (vocab padded to 16, DecoderConfig's rope_theta), 32 positions."""
+    from fnrl.models.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny", "qwen2", seed=0,
+                            tokenizer_dir=char_tokenizer_dir, vocab_multiple=16,
+                            rope_theta=10000.0, max_position_embeddings=32)
 
 
 @pytest.fixture(scope="session")

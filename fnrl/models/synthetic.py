@@ -5,6 +5,8 @@ For tests, benchmarks and end-to-end runs on a machine without hub access:
     tok_dir = build_bpe_tokenizer(tmp / "tok")
     model_dir = write_checkpoint(tmp / "qwen3", "qwen3", seed=0, tokenizer_dir=tok_dir)
     big_dir = write_checkpoint(tmp / "0.5b", "qwen2", seed=0, dtype="bfloat16", **QWEN25_05B)
+    # fnrl.data.arith's character-level tokenizer, saved by its save_tokenizer:
+    tiny_dir = write_checkpoint(tmp / "tiny", "qwen2", seed=0, tokenizer_dir=char_tok_dir)
 
 Checkpoints are written by fnrl's own init and `save_pretrained`, so they are exactly
 what fnrl exports; transformers and vLLM load them (tests/models prove it).
@@ -25,6 +27,7 @@ import numpy as np
 
 from fnrl.models.decoder import DecoderConfig, Llama3RopeScaling, init_model
 from fnrl.models.hf_io import save_pretrained
+from fnrl.shell.files import read_json_if_present
 
 __all__ = ["CHAT_TEMPLATE", "ENDOFTEXT", "IM_END", "IM_START", "QWEN25_05B", "SMALL_SHAPES",
            "build_bpe_tokenizer", "math_corpus", "random_params", "write_checkpoint"]
@@ -186,16 +189,23 @@ def build_bpe_tokenizer(out_dir: str | os.PathLike, *, vocab_size: int = 1024,
     return out_dir
 
 
-def _special_ids(tokenizer_dir: Path) -> dict[str, int]:
-    """Ids of Qwen's special tokens in a tokenizer.json (those it has)."""
-    added = json.loads((tokenizer_dir / "tokenizer.json").read_text()).get("added_tokens", [])
-    return {t["content"]: t["id"] for t in added if t["content"] in SPECIAL_TOKENS}
-
-
-def _tokenizer_size(tokenizer_dir: Path) -> int:
+def _tokenizer_ids(tokenizer_dir: Path) -> tuple[dict[str, int], list[int], int]:
+    """What a checkpoint takes from its tokenizer: the bos/eos/pad ids its
+    tokenizer_config.json names (bos, where it names none, is the pad token: Qwen's
+    configs give <|endoftext|> for it), Qwen's instruct stop ids [<|im_end|>,
+    <|endoftext|>] of those it has, and its size (largest id + 1)."""
     data = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data.get("added_tokens", [])]
-    return max(ids) + 1
+    ids = {**data["model"]["vocab"],
+           **{t["content"]: t["id"] for t in data.get("added_tokens", [])}}
+    named = read_json_if_present(tokenizer_dir / "tokenizer_config.json") or {}
+    # A token is named by its text, or (as transformers saves some) by {"content": text}.
+    text = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()
+            if k in ("bos_token", "eos_token", "pad_token")}
+    roles = {"bos_token_id": text.get("bos_token") or text.get("pad_token"),
+             "eos_token_id": text.get("eos_token"), "pad_token_id": text.get("pad_token")}
+    config_ids = {k: ids[token] for k, token in roles.items() if token in ids}
+    stop_ids = [ids[t] for t in (IM_END, ENDOFTEXT) if t in ids]
+    return config_ids, stop_ids, max(ids.values()) + 1
 
 
 def random_params(cfg: DecoderConfig, seed: int, *, init_std: float = 0.02,
@@ -222,52 +232,55 @@ def random_params(cfg: DecoderConfig, seed: int, *, init_std: float = 0.02,
 
 
 def write_checkpoint(out_dir: str | os.PathLike, family: str, *, seed: int,
-                     shard_bytes: int | None = None, dtype: str = "float32",
-                     tokenizer_dir: str | os.PathLike | None = None, init_std: float = 0.02,
-                     perturb_std: float = 0.0, **shape_overrides) -> Path:
+                     tokenizer_dir: str | os.PathLike | None = None, dtype: str = "float32",
+                     shard_bytes: int | None = None, init_std: float = 0.02,
+                     perturb_std: float = 0.0, vocab_multiple: int = 64,
+                     **shape_overrides) -> Path:
     """A random checkpoint of `family` ("qwen2", "qwen3", "llama") in `out_dir`, complete
     for transformers, vLLM and fnrl's job: config, safetensors (in `dtype`, sharded at
-    `shard_bytes` if given), the tokenizer (from `tokenizer_dir`, else a fresh
-    `build_bpe_tokenizer`) and a generation_config.json whose eos ids are
-    [<|im_end|>, <|endoftext|>] as in Qwen's instruct models.
+    `shard_bytes` if given), the tokenizer and a generation_config.json. The one builder
+    of fnrl's random models: the tests', the benchmarks' and the end-to-end runs'.
+
+    The tokenizer is `tokenizer_dir`'s (a `build_bpe_tokenizer`, or fnrl.data.arith's
+    character-level one), else a fresh `build_bpe_tokenizer`; its tokenizer_config.json
+    names the config's bos, eos and pad tokens. A tokenizer with Qwen's specials gets
+    generation eos ids [<|im_end|>, <|endoftext|>] as in Qwen's instruct models; any
+    other the config's own.
 
     `shape_overrides` are DecoderConfig fields over `SMALL_SHAPES[family]`
     (`**QWEN25_05B` for the real 0.5B shape); vocab_size defaults to the tokenizer's,
-    rounded up to a multiple of 64 as Qwen pads it. Params are made in bfloat16 when
-    `dtype` is "bfloat16", so a 0.5B model takes ~1 GB while it is written.
+    rounded up to a multiple of `vocab_multiple` (64 as Qwen pads it; fnrl's embedded
+    model pads to 16). `init_std` and `perturb_std` are `random_params`'. Params are made
+    in bfloat16 when `dtype` is "bfloat16", so a 0.5B model takes ~1 GB while it is written.
     """
     if family not in SMALL_SHAPES:
         raise ValueError(f"family={family!r}: not one of {sorted(SMALL_SHAPES)}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: not float32 or bfloat16")
-    if tokenizer_dir is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            return write_checkpoint(out_dir, family, seed=seed, shard_bytes=shard_bytes,
-                                    dtype=dtype, tokenizer_dir=build_bpe_tokenizer(tmp),
-                                    init_std=init_std, perturb_std=perturb_std,
-                                    **shape_overrides)
-    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
-    specials = _special_ids(tokenizer_dir)
-    tokenizer_size = _tokenizer_size(tokenizer_dir)
-    fields = {**SMALL_SHAPES[family], **shape_overrides, "model_type": family}
-    if isinstance(fields.get("rope_scaling"), dict):
-        fields["rope_scaling"] = Llama3RopeScaling(**{
-            k: v for k, v in fields["rope_scaling"].items() if k not in ("rope_type", "type")})
-    fields.setdefault("vocab_size", -(-tokenizer_size // 64) * 64)
-    if fields["vocab_size"] < tokenizer_size:
-        raise ValueError(f"vocab_size={fields['vocab_size']}: below the tokenizer's "
-                         f"{tokenizer_size} ids")
-    eot = specials.get(ENDOFTEXT)
-    fields.setdefault("bos_token_id", eot)
-    fields.setdefault("eos_token_id", eot)
-    fields.setdefault("pad_token_id", eot)
-    cfg = DecoderConfig(**fields)
-    param_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
-    params = random_params(cfg, seed, init_std=init_std, perturb_std=perturb_std,
-                           param_dtype=param_dtype)
-    eos = [specials[t] for t in (IM_END, ENDOFTEXT) if t in specials] or list(cfg.eos_token_ids)
-    generation = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", eos),
-                                    ("pad_token_id", cfg.pad_token_id)) if v is not None}
-    return save_pretrained(out_dir, cfg, params, tokenizer_dir=tokenizer_dir,
-                           dtype=np.dtype(param_dtype), max_shard_bytes=shard_bytes,
-                           generation_config=generation)
+    if not (isinstance(vocab_multiple, int) and vocab_multiple > 0):
+        raise ValueError(f"vocab_multiple={vocab_multiple!r}: must be a positive int")
+    # The temporary directory holds the tokenizer built when none is given.
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = Path(tokenizer_dir if tokenizer_dir is not None
+                             else build_bpe_tokenizer(tmp))
+        config_ids, stop_ids, tokenizer_size = _tokenizer_ids(tokenizer_dir)
+        fields = {**SMALL_SHAPES[family], **config_ids, **shape_overrides, "model_type": family}
+        if isinstance(fields.get("rope_scaling"), dict):
+            fields["rope_scaling"] = Llama3RopeScaling(**{
+                k: v for k, v in fields["rope_scaling"].items() if k not in ("rope_type", "type")})
+        fields.setdefault("vocab_size", -(-tokenizer_size // vocab_multiple) * vocab_multiple)
+        if fields["vocab_size"] < tokenizer_size:
+            raise ValueError(f"vocab_size={fields['vocab_size']}: below the tokenizer's "
+                             f"{tokenizer_size} ids")
+        cfg = DecoderConfig(**fields)
+        param_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        params = random_params(cfg, seed, init_std=init_std, perturb_std=perturb_std,
+                               param_dtype=param_dtype)
+        generation = None  # save_pretrained writes the config's ids
+        if stop_ids:
+            generation = {k: v for k, v in (("bos_token_id", cfg.bos_token_id),
+                                            ("eos_token_id", stop_ids),
+                                            ("pad_token_id", cfg.pad_token_id)) if v is not None}
+        return save_pretrained(out_dir, cfg, params, tokenizer_dir=tokenizer_dir,
+                               dtype=np.dtype(param_dtype), max_shard_bytes=shard_bytes,
+                               generation_config=generation)

@@ -1,5 +1,6 @@
 """Tokenizer directories built here, never downloaded: a Qwen-style byte-level BPE with its
-special tokens, chat template and generation config, and fnrl's character-level one."""
+special tokens, chat template and generation config (fnrl's character-level one is
+tests/conftest.py's `char_tokenizer_dir`)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,6 @@ def build_qwen_style_tokenizer(out_dir: Path, *, vocab_size: int = 420) -> Path:
 @pytest.fixture(scope="session")
 def qwen_tokenizer_dir(tmp_path_factory) -> Path:
     return build_qwen_style_tokenizer(tmp_path_factory.mktemp("qwen-tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def char_tokenizer_dir(tmp_path_factory) -> Path:
-    """fnrl's embedded character-level tokenizer: <bos>/<eos>/<pad>, no chat template."""
-    from fnrl.data.arith import build_tokenizer, save_tokenizer
-    out = tmp_path_factory.mktemp("char-tokenizer")
-    save_tokenizer(build_tokenizer(), out)
-    return out
 
 
 @pytest.fixture(scope="session")

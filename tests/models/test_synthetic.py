@@ -8,6 +8,7 @@ import pytest
 import transformers
 from flax import nnx
 
+from fnrl.data.arith import BOS, EOS, PAD, build_tokenizer
 from fnrl.models.decoder import DecoderConfig, abstract_model
 from fnrl.models.hf_io import check_model_dir, load_pretrained, read_generation_config
 from fnrl.models.synthetic import (CHAT_TEMPLATE, ENDOFTEXT, IM_END, IM_START, QWEN25_05B,
@@ -83,7 +84,7 @@ def test_write_checkpoint_is_complete_for_each_family(tmp_path, tok_dir, family)
     assert cfg.vocab_size % 64 == 0 and len(tok) <= cfg.vocab_size < len(tok) + 64
     im_end, eot = tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(ENDOFTEXT)
     assert read_generation_config(out)["eos_token_id"] == [im_end, eot]
-    assert cfg.eos_token_id == cfg.pad_token_id == eot
+    assert cfg.bos_token_id == cfg.eos_token_id == cfg.pad_token_id == eot  # Qwen's base config
     assert out.joinpath("tokenizer_config.json").exists()
     std = np.std(params["layers"][0]["mlp"]["up_kernel"])
     assert 0.015 < std < 0.025  # fnrl's own init, HF's initializer_range
@@ -108,6 +109,26 @@ def test_write_checkpoint_options(tmp_path, tok_dir):
         write_checkpoint(tmp_path / "x", "mistral", seed=0, tokenizer_dir=tok_dir)
     with pytest.raises(ValueError, match="vocab_size"):
         write_checkpoint(tmp_path / "x", "qwen2", seed=0, tokenizer_dir=tok_dir, vocab_size=64)
+
+
+def test_write_checkpoint_takes_the_ids_its_tokenizer_names(tmp_path, char_tokenizer_dir):
+    """fnrl's character tokenizer (no Qwen specials): the config's bos/eos/pad are the
+    ones its tokenizer_config.json names, generation_config.json repeats them, and the
+    vocabulary is padded to the multiple asked for."""
+    out = write_checkpoint(tmp_path / "tiny", "qwen2", seed=0, tokenizer_dir=char_tokenizer_dir,
+                           vocab_multiple=16)
+    check_model_dir(out)
+    cfg, _, _ = load_pretrained(out)
+    tok = build_tokenizer()
+    ids = {role: tok.token_to_id(t) for role, t in (("bos", BOS), ("eos", EOS), ("pad", PAD))}
+    assert len(set(ids.values())) == 3
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
+        ids["bos"], ids["eos"], ids["pad"])
+    assert read_generation_config(out) == {f"{role}_token_id": i for role, i in ids.items()}
+    assert tok.get_vocab_size() == 99 and cfg.vocab_size == 112  # 128 at the default 64
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        write_checkpoint(tmp_path / "x", "qwen2", seed=0, tokenizer_dir=char_tokenizer_dir,
+                         vocab_multiple=0)
 
 
 def test_qwen25_05b_is_the_real_shape():

@@ -26,7 +26,7 @@ from fnrl.shell.net import free_port
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 64
+VOCAB = 128  # conftest's tiny model: the character tokenizer's 99 ids, padded to 64s
 # Longer than one KV block (128 tokens on CPU), so vLLM's prefix cache keeps a block.
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(2, VOCAB, size=140)]
 _versions = itertools.count(1)  # the module's relay only accepts increasing versions
