@@ -1,214 +1,96 @@
-"""In-process fakes of the role handles (fnrl.control.handles) and a virtual clock, so
-the controller loop, the supervisor and recovery run in tests without processes.
+"""The loop's tests' roles: the simulator's in-process roles (fnrl.sim.handles) on a
+trivial cost model, with the faults and records only tests need. Nothing here
+implements a role's behaviour: that is fnrl.sim.handles' alone.
 
-The fake rollout decodes a few tokens per event-loop turn at the version it serves; the
-fake trainer trains in one turn and publishes the new version to the fake relays; the
-clock is virtual: `sleep(s)` moves it forward by s at once, so detection windows pass
-without waiting and a busy machine cannot change what a test sees.
+A fake rollout decodes `tokens_per_turn` tokens per step, a step taking STEP_S whatever
+the batch, and ends a response with EOS after `length` tokens; the fake trainer's step
+takes TRAIN_S, then publishes the new version to the relays. So a loop step takes a few
+virtual seconds, and an injected kill (within a second of generation) lands mid-run.
+The clock is the event loop's virtual time (`run_virtual`, `LoopClock`): it jumps to the
+next timer, so detection windows pass without waiting and a busy machine cannot change
+what a test sees.
 """
 
 from __future__ import annotations
 
-import asyncio
 import signal
-from dataclasses import dataclass, field
 
-from fnrl.control.handles import RelayEvent, RoleError, ServerError, TrainResult
+from fnrl.config import CostModel
+from fnrl.control.handles import RoleError, TrainResult
 from fnrl.data.arith import PromptStream, eval_problems
-from fnrl.types import Completion, StreamChunk
+from fnrl.sim.costs import DecodeCosts
+from fnrl.sim.handles import EOS, SimRelays, SimRollout, SimTrainer
+
+__all__ = ["EOS", "FakeRollout", "FakeTrainer", "fake_task"]
 
 VOCAB = 50
-EOS = 1
+STEP_S = 0.5   # binary fractions: virtual times add up exactly
+TRAIN_S = 1.0
+DECODE = DecodeCosts(cost=CostModel(k1=0.0, k2=0.0, k3=0.0, k4=STEP_S))
 
 
-class VirtualClock:
-    def __init__(self, start: float = 1000.0):
-        self.t = start
+class FakeTrainer(SimTrainer):
+    """A step takes TRAIN_S. `skip_steps`: versions whose step is skipped (a non-finite
+    loss); `hang_steps` / `die_steps`: steps (the version they would make) during which
+    it hangs (until killed) or its process dies, once each. `trained`: the versions
+    trained from, in order; `batches`: their arrays."""
 
-    def now(self) -> float:
-        return self.t
-
-    def epoch(self) -> float:
-        return 1.7e9 + self.t
-
-    async def sleep(self, seconds: float) -> None:
-        self.t += max(seconds, 0.0)
-        await asyncio.sleep(0)
-
-
-@dataclass
-class FakeRelays:
-    names: tuple[str, ...] = ("relay0",)
-    published: list[int] = field(default_factory=lambda: [0])
-    repairs: list[RelayEvent] = field(default_factory=list)
-    dead: set = field(default_factory=set)
-    replaced: list[str] = field(default_factory=list)
-
-    def address_for(self, rid: int) -> str:
-        live = [n for n in self.names if n not in self.dead]
-        return live[rid % len(live)]
-
-    def check(self) -> None:
-        if set(self.names) <= self.dead:
-            raise RoleError("no relay left")
-
-    def events(self) -> tuple[RelayEvent, ...]:
-        return tuple(self.repairs)
-
-    async def replace(self, name: str) -> dict:
-        self.dead.discard(name)
-        self.replaced.append(name)
-        return {"address": name, "version": self.published[-1]}
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        self.dead.add(name)
-
-
-class FakeTrainer:
-    """Trains in one event-loop turn. `skip_steps`: versions whose step is skipped (a
-    non-finite loss); `hang_steps` / `die_steps`: steps (the version they would make)
-    during which it hangs or its process dies, once each."""
-
-    name = "trainer"
-
-    def __init__(self, relays: FakeRelays, *, version: int = 0, skip_steps=(), hang_steps=(),
-                 die_steps=(), checkpoint_before_death: bool = False):
-        self.relays, self.version = relays, version
+    def __init__(self, relays: SimRelays, *, skip_steps=(), hang_steps=(), die_steps=(),
+                 checkpoint_before_death: bool = False):
+        super().__init__(relays, train_s=TRAIN_S, publish_s=0.0)
         self.skip_steps, self.hang_steps, self.die_steps = set(skip_steps), set(hang_steps), set(die_steps)
         self.checkpoint_before_death = checkpoint_before_death
-        self.code: int | None = None
-        self.trained: list[int] = []          # versions trained from, in order
+        self.trained: list[int] = []
         self.batches: list[dict] = []
-        self.restarts = 0
-        self._hang = asyncio.Event()
-
-    def exit_code(self) -> int | None:
-        return self.code
-
-    def exit_reason(self) -> str | None:
-        return None if self.code is None else f"exited with code {self.code}"
-
-    async def init(self):
-        return self.version, None
 
     async def train(self, arrays) -> TrainResult:
-        await asyncio.sleep(0)
-        step = self.version + 1
+        step, trained_from = self.version + 1, self.version
         if step in self.hang_steps:
             self.hang_steps.discard(step)
-            await self._hang.wait()           # until killed
-            raise RoleError("trainer was killed")
+            self.kill(signal.SIGSTOP)          # the step never ends: until it is killed
         if step in self.die_steps:
             self.die_steps.discard(step)
+            await self._busy(self.train_s)
             if self.checkpoint_before_death:
                 self.version = step
-            self.code = -9
-            raise RoleError("trainer exited with code -9")
-        self.trained.append(self.version)
-        self.batches.append(dict(arrays))
+            self.kill()
+            raise RoleError(f"trainer {self.exit_reason()}")
         if step in self.skip_steps:
             self.skip_steps.discard(step)
-            return TrainResult(self.version, {"update_skipped": 1.0, "loss": float("nan")})
-        self.version = step
-        self.relays.published.append(step)
-        return TrainResult(step, {"update_skipped": 0.0, "loss": 0.5})
-
-    async def restart(self) -> int:
-        self.kill()
-        await asyncio.sleep(0)
-        self.code, self._hang = None, asyncio.Event()
-        self.restarts += 1
-        return self.version        # the newest checkpoint
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        self._hang.set()
-        if sig == signal.SIGKILL:
-            self.code = -9
-
-    async def shutdown(self) -> None:
-        pass
+            await self._busy(self.train_s)
+            result = TrainResult(self.version, {"update_skipped": 1.0, "loss": float("nan")})
+        else:
+            result = await super().train(arrays)
+        self.trained.append(trained_from)
+        self.batches.append(dict(arrays))
+        return result
 
 
-class FakeRollout:
-    """Decodes `tokens_per_turn` tokens per event-loop turn; a response ends with EOS
-    after `length` tokens (or at its forced budget). A killed rollout's requests fail."""
+class FakeRollout(SimRollout):
+    """`length` tokens a response (then EOS), `tokens_per_turn` a step; its process dies
+    once it has streamed `die_after_tokens`. A pull checks that the loop asks only for
+    versions the trainer published."""
 
-    def __init__(self, rid: int, relays: FakeRelays, *, length: int = 6, tokens_per_turn: int = 2,
+    def __init__(self, rid: int, relays: SimRelays, *, length: int = 6, tokens_per_turn: int = 2,
                  die_after_tokens: int | None = None):
-        self.name, self.relays = f"rollout{rid}", relays
-        self.die_after_tokens = die_after_tokens    # its process dies once it sent this many
-        self.length, self.tokens_per_turn = length, tokens_per_turn
-        self.version, self.code = 0, None
-        self.requests = self.streamed = 0
-        self.restarts = 0
+        super().__init__(rid, relays, DECODE, kv_capacity=4096, pull_s=0.0,
+                         tokens_per_step=tokens_per_turn, eos_after=length, start_s=0.5)
+        self.die_after_tokens = die_after_tokens
+        self.streamed = 0
 
-    def exit_code(self) -> int | None:
-        return self.code
-
-    def exit_reason(self) -> str | None:
-        return None if self.code is None else f"exited with code {self.code}"
-
-    def _alive(self) -> None:
-        if self.code is not None:
-            raise ServerError(f"{self.name}: connection refused")
-
-    async def kv_capacity_tokens(self) -> int:
-        return 4096
-
-    async def generate(self, prompt_ids, *, n, max_tokens, temperature, seed=None,
-                       stop_token_ids=(), top_p=1.0, top_k=-1):
-        self._alive()
-        await asyncio.sleep(0)
-        answer = [2 + (sum(prompt_ids) % 7), EOS][:max_tokens]
-        return [Completion(token_ids=tuple(answer), logprobs=(-0.1,) * len(answer),
-                           finish_reason="stop") for _ in range(n)]
-
-    async def generate_stream(self, prompt_ids, *, max_tokens, temperature, seed=None,
-                              stop_token_ids=(), ignore_eos=False, request_id=None,
-                              top_p=1.0, top_k=-1):
-        self.requests += 1
-        sent = 0
-        want = max_tokens if ignore_eos else min(self.length, max_tokens)
-        while sent < want:
-            await asyncio.sleep(0)
-            self._alive()
-            n = min(self.tokens_per_turn, want - sent)
-            ids = [3 + (sent + k) % 5 for k in range(n)]
-            if not ignore_eos and sent + n == self.length:
-                ids[-1] = EOS
-            sent += n
-            self.streamed += n
+    async def generate_stream(self, prompt_ids, **kw):
+        async for chunk in super().generate_stream(prompt_ids, **kw):
+            self.streamed += len(chunk.token_ids)
             if self.die_after_tokens is not None and self.streamed >= self.die_after_tokens:
                 self.die_after_tokens = None
                 self.kill()
-            done = sent == want
-            yield StreamChunk(token_ids=tuple(ids), logprobs=(-0.5,) * n,
-                              finish_reason=("stop" if ids[-1] == EOS else "length") if done else None)
+            yield chunk
 
     async def pull(self, relay_address: str, *, min_version: int = -1,
                    relay_timeout_s: float = 30.0) -> int:
-        self._alive()
-        await asyncio.sleep(0)
-        if relay_address in self.relays.dead:
-            raise ServerError(f"{self.name}: relay {relay_address} does not answer")
-        self.version = self.relays.published[-1]
-        assert self.version >= min_version, (self.version, min_version)
-        return self.version
-
-    async def metrics(self):
-        self._alive()
-        return {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0,
-                "vllm:kv_cache_usage_perc": 0.0}
-
-    async def restart(self) -> float:
-        self.kill()
-        await asyncio.sleep(0)
-        self.code, self.version = None, 0
-        self.restarts += 1
-        return 0.5
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        self.code = -9
+        assert min_version <= self.relays.published[-1], (min_version, self.relays.published)
+        return await super().pull(relay_address, min_version=min_version,
+                                  relay_timeout_s=relay_timeout_s)
 
 
 def fake_task(seed: int = 0):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import signal
 
 import pytest
 from hypothesis import given, strategies as st
@@ -16,38 +15,30 @@ from fnrl.control.eval_lane import next_due
 from fnrl.control.handles import EvalServerHandle, Roles, ServerError
 from fnrl.backends.memory import plan_memory
 from fnrl.control.metrics import read_jsonl
+from fnrl.sim.handles import SimRelays
 from fnrl.types import Completion
 
-from tests.control.fakes import EOS, FakeRelays, FakeRollout, FakeTrainer
+from tests.control.fakes import EOS, FakeRollout, FakeTrainer
 from tests.control.test_loop import STEPS, make_cfg, run
 from tests.backends.test_memory_plan import TINY, _cfg
 
 
-class FakeEvalServer:
+class FakeEvalServer(FakeRollout):
     """Serves the version it pulled; its greedy answers are right (an odd length, see
     fakes.fake_task's reward) exactly at odd versions, so a record shows which weights
     scored it. `gate(version)`: scoring of that version waits until it returns True."""
 
-    name = "eval"
-
-    def __init__(self, relays: FakeRelays, gate=lambda version: True):
-        self.relays, self.gate = relays, gate
-        self.version, self.code = -1, None
+    def __init__(self, relays: SimRelays, gate=lambda version: True):
+        super().__init__(0, relays)
+        self.name, self.version, self.gate = "eval", -1, gate
         self.pulls: list[int] = []
         self.scored_at: dict[int, int] = {}   # version scored -> trainer's newest then
 
-    def exit_code(self):
-        return self.code
-
-    def exit_reason(self):
-        return None if self.code is None else "was killed"
-
     async def generate(self, prompt_ids, *, n, max_tokens, temperature, seed=None,
                        stop_token_ids=(), top_p=1.0, top_k=-1):
-        if self.code is not None:
-            raise ServerError("eval server is gone")
+        self._alive()
         while not self.gate(self.version):
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.01)   # virtual seconds
         self.scored_at[self.version] = self.relays.published[-1]
         right = self.version % 2 == 1 if temperature == 0 else seed % 4 == 0
         answer = (3,) if right else (3, 3)
@@ -55,19 +46,14 @@ class FakeEvalServer:
                            finish_reason="stop")] * n
 
     async def pull_version(self, relay_address, version, *, relay_timeout_s=30.0):
-        await asyncio.sleep(0)
-        if version not in self.relays.published:
-            raise ServerError(f"relay holds no version {version}")
-        self.version = version
+        version = await super().pull_version(relay_address, version,
+                                             relay_timeout_s=relay_timeout_s)
         self.pulls.append(version)
         return version
 
-    def kill(self, sig=signal.SIGKILL):
-        self.code = -9
-
 
 def lane_roles(server_gate=lambda v: True):
-    relays = FakeRelays()
+    relays = SimRelays()
     roles = Roles(trainer=FakeTrainer(relays),
                   rollouts=[FakeRollout(r, relays) for r in range(2)], relays=relays,
                   evaluator=FakeEvalServer(relays, server_gate))
@@ -178,7 +164,7 @@ def test_rollout_lane_and_off(tmp_path):
     (tmp_path / "off").mkdir()
     cfg = make_cfg()
     on_rollouts = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, server="rollout", samples=2))
-    relays = FakeRelays()
+    relays = SimRelays()
     roles = Roles(trainer=FakeTrainer(relays), rollouts=[FakeRollout(r, relays) for r in range(2)],
                   relays=relays)
     _, summary = run(on_rollouts, roles, tmp_path / "rollout")

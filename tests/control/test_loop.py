@@ -21,8 +21,9 @@ from fnrl.config import FaultInjection
 from fnrl.config.presets import apply_preset
 from fnrl.control.journal import records as journal_records
 from fnrl.shell.files import DiskFull, SpaceReserve
+from fnrl.sim.handles import LoopClock, SimRelays, run_virtual
 
-from tests.control.fakes import FakeRelays, FakeRollout, FakeTrainer, VirtualClock, fake_task
+from tests.control.fakes import FakeRollout, FakeTrainer, fake_task
 
 STEPS, GROUPS, G = 6, 2, 4
 
@@ -39,7 +40,7 @@ def make_cfg(preset: str = "fnrl", *, steps: int = STEPS, inject=(), **faults):
 
 
 def make_roles(trainer=None, relays=None, rollouts=2, **rollout_kw):
-    relays = relays or FakeRelays()
+    relays = relays or SimRelays()
     trainer = trainer or FakeTrainer(relays)
     return Roles(trainer=trainer, rollouts=[FakeRollout(r, relays, **rollout_kw)
                                             for r in range(rollouts)], relays=relays)
@@ -48,7 +49,7 @@ def make_roles(trainer=None, relays=None, rollouts=2, **rollout_kw):
 async def _run(cfg, roles, run_dir, *, clock=None, version=0):
     writer = MetricsWriter(run_dir)
     ctl = Controller(cfg, roles, fake_task(), run_dir=run_dir, writer=writer,
-                     trainer_version=version, clock=clock or VirtualClock(), log=lambda s: None)
+                     trainer_version=version, clock=clock or LoopClock(), log=lambda s: None)
     try:
         return ctl, await ctl.run()
     finally:
@@ -56,7 +57,7 @@ async def _run(cfg, roles, run_dir, *, clock=None, version=0):
 
 
 def run(cfg, roles, run_dir, **kw):
-    return asyncio.run(_run(cfg, roles, run_dir, **kw))
+    return run_virtual(_run(cfg, roles, run_dir, **kw))
 
 
 def consumed_groups(run_dir) -> list[str]:
@@ -98,7 +99,7 @@ def test_loop_trains_every_step(tmp_path, preset):
 
 def test_a_skipped_update_mid_run_is_survived_at_the_same_version(tmp_path):
     cfg = make_cfg("fnrl")
-    relays = FakeRelays()
+    relays = SimRelays()
     roles = make_roles(FakeTrainer(relays, skip_steps={3}), relays)
     ctl, summary = run(cfg, roles, tmp_path)
     # Step 3 was skipped once: version 2 was trained from twice, and the run went on.
@@ -123,7 +124,7 @@ def test_a_killed_rollout_is_restarted_and_its_work_continues(tmp_path):
 
 def test_a_hung_trainer_is_detected_restarted_and_the_batch_sent_again(tmp_path):
     cfg = make_cfg("fnrl")
-    relays = FakeRelays()
+    relays = SimRelays()
     roles = make_roles(FakeTrainer(relays, hang_steps={3}), relays)
     ctl, summary = run(cfg, roles, tmp_path)
     assert roles.trainer.restarts == 1
@@ -136,7 +137,7 @@ def test_a_hung_trainer_is_detected_restarted_and_the_batch_sent_again(tmp_path)
 
 def test_a_trainer_dead_after_its_checkpoint_is_not_trained_twice(tmp_path):
     cfg = make_cfg("fnrl")
-    relays = FakeRelays()
+    relays = SimRelays()
     trainer = FakeTrainer(relays, die_steps={4}, checkpoint_before_death=True)
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path)
     assert summary["steps_recovered_from_checkpoint"] == 1
@@ -159,8 +160,8 @@ def relay1_dies(relays, clock, *, at_version: int, cause: str, seen_after_s: flo
 
 def test_a_hung_relay_spliced_out_is_down_until_the_end_and_counted_a_failure(tmp_path):
     cfg = make_cfg("fnrl")
-    clock = VirtualClock()
-    relays = FakeRelays(names=("relay0", "relay1"))
+    clock = LoopClock()
+    relays = SimRelays(names=("relay0", "relay1"))
 
     trainer = relay1_dies(relays, clock, at_version=2, cause="hung", seen_after_s=1.5)
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, clock=clock)
@@ -181,8 +182,8 @@ def test_a_hung_relay_spliced_out_is_down_until_the_end_and_counted_a_failure(tm
 
 def test_an_exited_relay_is_replaced_and_its_recovery_recorded(tmp_path):
     cfg = make_cfg("fnrl")
-    clock = VirtualClock()
-    relays = FakeRelays(names=("relay0", "relay1"))
+    clock = LoopClock()
+    relays = SimRelays(names=("relay0", "relay1"), start_s=0.5)   # its replacement's start
 
     trainer = relay1_dies(relays, clock, at_version=2, cause="exited", seen_after_s=1.5)
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, clock=clock)
@@ -202,8 +203,8 @@ def test_a_failed_relay_replacement_is_retried_with_backoff_and_counted(tmp_path
     """A replacement that fails is tried again, waits doubling (RELAY_TRIES tries); a
     node that is lost is not tried again. Either way the relay stays down, counted."""
     cfg = make_cfg("fnrl")
-    clock = VirtualClock()
-    relays = FakeRelays(names=("relay0", "relay1"))
+    clock = LoopClock()
+    relays = SimRelays(names=("relay0", "relay1"))
     tries: list[float] = []
     replace = relays.replace
 
@@ -230,7 +231,8 @@ def test_a_failed_relay_replacement_is_retried_with_backoff_and_counted(tmp_path
     else:
         assert len(tries) == 3 and [f["attempt"] for f in failed] == [1, 2]
         gaps = np.diff(tries)
-        assert gaps[0] >= RELAY_BACKOFF_S and gaps[1] >= 2 * RELAY_BACKOFF_S
+        # Virtual time: each wait is its backoff exactly (to float rounding).
+        assert gaps == pytest.approx([RELAY_BACKOFF_S, 2 * RELAY_BACKOFF_S])
         (done,) = recovered
         assert relays.replaced == ["relay1"] and done["down_s"] >= gaps.sum()
         assert summary["role_down_s"] == pytest.approx(done["down_s"], abs=1e-6)
@@ -238,7 +240,7 @@ def test_a_failed_relay_replacement_is_retried_with_backoff_and_counted(tmp_path
 
 
 def test_a_hung_relay_is_spliced_out_but_not_replaced(tmp_path):
-    relays = FakeRelays(names=("relay0", "relay1"))
+    relays = SimRelays(names=("relay0", "relay1"))
     relays.repairs.append(RelayEvent("relay1", "hung", 0.0, 1.0, "relay0"))
     run(make_cfg("fnrl"), make_roles(FakeTrainer(relays), relays), tmp_path)
     assert relays.replaced == []
@@ -253,7 +255,7 @@ def test_an_injection_naming_a_missing_role_is_refused(tmp_path):
 
 def test_a_rollout_failing_in_its_first_step_restarts_the_job(tmp_path):
     cfg = make_cfg("fnrl")
-    relays = FakeRelays()
+    relays = SimRelays()
     roles = make_roles(relays=relays)
     roles.rollouts[0] = FakeRollout(0, relays, die_after_tokens=3)   # before it finished one
     with pytest.raises(JobRestart, match="first step"):
@@ -281,7 +283,7 @@ async def _run_until(cfg, roles, run_dir, version: int):
     is cancelled between two steps of the event loop, as a SIGKILL would stop it)."""
     task = asyncio.ensure_future(_run(cfg, roles, run_dir, version=roles.trainer.version))
     while roles.trainer.version < version and not task.done():
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)   # virtual time: the roles' work takes some
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -289,12 +291,12 @@ async def _run_until(cfg, roles, run_dir, version: int):
 
 def test_a_controller_killed_twice_with_a_torn_journal_resumes_exactly_once(tmp_path):
     cfg = make_cfg("fnrl", steps=9)
-    relays = FakeRelays()
+    relays = SimRelays()
     trainer = FakeTrainer(relays)
-    asyncio.run(_run_until(cfg, make_roles(trainer, relays), tmp_path, 3))
+    run_virtual(_run_until(cfg, make_roles(trainer, relays), tmp_path, 3))
     with open(tmp_path / "journal.jsonl", "a") as f:
         f.write('{"ev": "fill", "problem": {"uid"')          # a crash mid-write
-    asyncio.run(_run_until(cfg, make_roles(trainer, relays), tmp_path, 6))
+    run_virtual(_run_until(cfg, make_roles(trainer, relays), tmp_path, 6))
     ctl, summary = run(cfg, make_roles(trainer, relays), tmp_path, version=trainer.version)
     assert trainer.version == 9 and trainer.trained == list(range(9))
     check_consumed(tmp_path, cfg.coord.eta, 9 * GROUPS)
@@ -329,10 +331,10 @@ def _a_record_with_a_later_one_of_its_live_trajectory(path):
 
 def test_a_pool_damaged_in_the_middle_regenerates_only_what_the_damage_broke(tmp_path):
     cfg = make_cfg("fnrl", steps=8)
-    relays = FakeRelays()
+    relays = SimRelays()
     trainer = FakeTrainer(relays)
     roles = make_roles(trainer, relays, length=8, tokens_per_turn=1)
-    asyncio.run(_run_until(cfg, roles, tmp_path, 3))
+    run_virtual(_run_until(cfg, roles, tmp_path, 3))
     pool_log = tmp_path / "partial_responses.log"
     offset, uid = _a_record_with_a_later_one_of_its_live_trajectory(pool_log)
     data = bytearray(pool_log.read_bytes())
@@ -355,9 +357,9 @@ def test_a_pool_damaged_in_the_middle_regenerates_only_what_the_damage_broke(tmp
 
 def test_recovery_discards_tokens_too_stale_for_the_bound_and_journals_them(tmp_path):
     cfg = make_cfg("fnrl", steps=12)
-    relays = FakeRelays()
+    relays = SimRelays()
     trainer = FakeTrainer(relays)
-    asyncio.run(_run_until(cfg, make_roles(trainer, relays, length=8, tokens_per_turn=1),
+    run_virtual(_run_until(cfg, make_roles(trainer, relays, length=8, tokens_per_turn=1),
                            tmp_path, 2))
     # The trainer moved on while no controller ran (another job trained it, say): what
     # was streamed on versions <= 2 is now older than the bound allows.
@@ -381,14 +383,14 @@ def test_the_run_ends_after_the_restarts_under_way(tmp_path):
     quick_restart = slow.restart
 
     async def slow_restart():
-        for _ in range(300):               # longer than the rest of the run
-            await asyncio.sleep(0)
+        await asyncio.sleep(60.0)          # virtual: longer than the rest of the run
         return await quick_restart()
 
     slow.restart = slow_restart
     ctl, summary = run(cfg, roles, tmp_path)
     events = read_jsonl(tmp_path / "faults.jsonl")
-    assert any(e["event"] == "recovered" and e["role"] == "rollout1" for e in events)
+    (recovered,) = [e for e in events if e["event"] == "recovered" and e["role"] == "rollout1"]
+    assert recovered["t"] > summary["loop_wall_s"]   # still under way when the steps ended
     assert slow.restarts == 1 and summary["steps"] == STEPS
 
 
@@ -397,7 +399,7 @@ def test_a_full_disk_stops_the_attempt_cleanly_with_an_end_record(tmp_path, monk
     """ENOSPC in the controller's own writes, or a trainer that could not log its batch:
     a DiskFull naming the run's disk, an `end` record (not a killed attempt), the logs
     closed whole and the space reserve given back."""
-    relays = FakeRelays()
+    relays = SimRelays()
     trainer = FakeTrainer(relays)
     if where == "metrics":
         write = MetricsWriter.write
