@@ -265,6 +265,12 @@ class NodeLost(RoleError):
     """A role cannot be started again where it ran: its node is gone."""
 
 
+class ClusterLost(RoleError):
+    """The cluster the roles run on is gone (a Ray cluster's head): no role can be
+    watched, started or moved any more. The job stops every role it can still reach,
+    writes its summary and exits; a re-run on a live cluster resumes from the run dir."""
+
+
 class ServerError(RuntimeError):
     """A generation server failed a request, answered nonsense, or timed out."""
 

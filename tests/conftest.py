@@ -77,6 +77,21 @@ def tiny_model_dir(tmp_path_factory, char_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with its weights scaled up: peaked next-token distributions, so a
+    kernel difference or a wrong context shows in the log-probs (near-uniform ones hide
+    it)."""
+    import jax
+
+    from fnrl.models.hf_io import load_pretrained, save_pretrained
+
+    cfg, _, params = load_pretrained(tiny_model_dir)
+    params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
+    return save_pretrained(tmp_path_factory.mktemp("peaked") / "model", cfg, params,
+                           tokenizer_dir=tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def bpe_tokenizer_dir(tmp_path_factory) -> Path:
     """A Qwen-style byte-level BPE tokenizer with a ChatML chat template (no hub)."""
     from fnrl.models.synthetic import build_bpe_tokenizer

@@ -36,6 +36,9 @@ import concurrent.futures
 import dataclasses
 import os
 import signal
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -50,6 +53,12 @@ from fnrl.serving.server import ServerSpec, launch_server, read_host_memory
 from fnrl.shell import auth, procs
 from fnrl.shell.hosted import HostedProcess
 from fnrl.shell.net import free_port
+from fnrl.shell.wire import ClusterLost, NodeLost
+
+# Ray ends a driver that cannot reach its cluster's head (the GCS) for
+# gcs_rpc_server_reconnect_timeout_s, 60 s by default ("Failed to connect to GCS ... The
+# program will terminate"): the job notices first, and stops with its summary written.
+GCS_LOST_S = 10.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
@@ -106,8 +115,10 @@ class NodeHost:
         self._procs[proc.pid] = proc
         return proc.pid
 
-    def poll(self, pid: int) -> int | None:
-        return self._procs[pid].poll()
+    def status(self, pids: Sequence[int]) -> dict[int, int | None]:
+        """Every process's exit code (None: it runs), in one answer: what the
+        controller's watcher asks each WATCH_S."""
+        return {pid: self._procs[pid].poll() for pid in pids if pid in self._procs}
 
     def signal_group(self, pid: int, sig: int) -> bool:
         return procs.signal_group(self._procs[pid], sig)
@@ -139,59 +150,218 @@ class NodeHost:
 
 
 class _Host:
-    """The controller's blocking view of one NodeHost (fnrl.shell.hosted.ProcessHost).
-    Once a call finds the actor dead, the host is `dead`: its node is lost, and the
-    processes it started went with it (PR_SET_PDEATHSIG)."""
+    """The controller's view of one NodeHost (fnrl.shell.hosted.ProcessHost), which
+    never holds the controller up on a node. A watcher thread asks the host for the state
+    of every process it started each WATCH_S; `poll` reads the last answer. A host that
+    has not answered for `hang_s` (hung: its actor stopped, its machine frozen or cut
+    off), or whose actor died, or that failed a call in any other way Ray can fail it,
+    is lost once and for good, the reason kept in `lost`: its processes poll as killed,
+    `exit_reason` names the node and the reason, and it is killed through Ray (the
+    node's raylet, when it still runs, kills the actor, and every role it started dies
+    with it by PR_SET_PDEATHSIG; a host that wakes up later finds nothing to run).
 
-    def __init__(self, actor, node: str, timeout_s: float):
-        self.actor, self.node, self.timeout_s = actor, node, timeout_s
-        self.dead = False
+    A call (a start, a stop) waits at most `timeout_s` (never more than `hang_s`), then
+    the host is lost the same way; signals wait 2 s at most and OOM samples not at all."""
+
+    WATCH_S = 0.5
+    SIGNAL_WAIT_S = 2.0
+
+    def __init__(self, actor, node: str, timeout_s: float, hang_s: float = 30.0):
+        self.actor, self.node = actor, node
+        self.timeout_s, self.hang_s = min(timeout_s, hang_s), hang_s
+        self.lost: str | None = None
+        self._codes: dict[int, int | None] = {}
+        self._answered = time.monotonic()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._sampling = None
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"fnrl-host-{node}")
+        self._watcher.start()
+
+    @property
+    def dead(self) -> bool:
+        return self.lost is not None
+
+    def alive(self) -> bool:
+        return self.lost is None
+
+    def lose(self, why: str) -> None:
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = why
+        try:
+            ray.kill(self.actor, no_restart=True)   # asynchronous: nothing waits on it
+        except Exception:   # noqa: BLE001 - already gone, or Ray itself is
+            pass
+
+    def _lose_on(self, err: BaseException, call: str = "") -> None:
+        """Loses the host for `err`, raised by Ray for `call` ("": the watcher's)."""
+        if isinstance(err, ray.exceptions.GetTimeoutError):
+            self.lose(f"its Ray host did not answer {call + ' ' if call else ''}for "
+                      f"{self.timeout_s if call else self.hang_s:g} s: hung")
+        elif isinstance(err, ray.exceptions.RayActorError):
+            self.lose("its Ray host actor died")
+        else:
+            first = str(err).splitlines()[0][:200] if str(err) else ""
+            self.lose(f"its Ray host failed{' ' + call if call else ''}: "
+                      f"{type(err).__name__}: {first}")
+
+    def _watch(self) -> None:
+        while not self._closed.is_set() and self.lost is None:
+            with self._lock:
+                pids = list(self._codes)
+            ref = self.actor.status.remote(pids)
+            ready: list = []
+            while not ready and not self._closed.is_set():
+                left = self._answered + self.hang_s - time.monotonic()
+                if left <= 0:
+                    self._lose_on(ray.exceptions.GetTimeoutError())
+                    return
+                ready, _ = ray.wait([ref], timeout=min(left, self.WATCH_S))
+            if self._closed.is_set():
+                return
+            try:
+                codes = ray.get(ref)
+            except ray.exceptions.RayError as err:
+                self._lose_on(err)
+                return
+            with self._lock:
+                self._answered = time.monotonic()
+                self._codes.update(codes)
+            self._closed.wait(self.WATCH_S)
+
+    def watch(self, pid: int) -> int:
+        with self._lock:
+            self._codes.setdefault(pid, None)
+        return pid
 
     def call(self, method: str, *args, timeout_s: float | None = None):
-        ref = getattr(self.actor, method).remote(*args)
-        try:
-            return ray.get(ref, timeout=timeout_s or self.timeout_s)
-        except ray.exceptions.RayActorError:
-            self.dead = True
-            raise
-
-    def alive(self, timeout_s: float = 10.0) -> bool:
-        if not self.dead:
+        """`method` of the host, answered within `timeout_s` (default `timeout_s`), or
+        NodeLost with the node and the reason (the host is lost from then on). An
+        exception the method itself raised is raised as it is."""
+        if self.lost is None:
             try:
-                self.call("node_id", timeout_s=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self.dead = True
-        return not self.dead
+                return ray.get(getattr(self.actor, method).remote(*args),
+                               timeout=timeout_s or self.timeout_s)
+            except ray.exceptions.RayTaskError:
+                raise
+            except ray.exceptions.RayError as err:
+                self._lose_on(err, method)
+        raise NodeLost(f"node {self.node} is lost: {self.lost}")
 
     def poll(self, pid: int) -> int | None:
-        try:
-            return self.call("poll", pid)
-        except ray.exceptions.RayActorError:
+        if self.lost is not None:
             return -signal.SIGKILL
+        with self._lock:
+            return self._codes.setdefault(pid, None)
 
     def signal_group(self, pid: int, sig: int) -> bool:
-        try:
-            return self.call("signal_group", pid, sig)
-        except ray.exceptions.RayActorError:
+        if self.lost is not None:
+            return False
+        ref = self.actor.signal_group.remote(pid, sig)
+        try:   # a hung host gets it when it wakes; its watcher says whether it is lost
+            return ray.get(ref, timeout=self.SIGNAL_WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            return True
+        except ray.exceptions.RayError as err:
+            self._lose_on(err, "a signal")
             return False
 
     def stop_all(self, pids: Sequence[int], graces: Sequence[float]) -> None:
         try:
             self.call("stop_all", list(pids), list(graces), timeout_s=2 * max(graces) + 30)
-        except ray.exceptions.RayActorError:
-            pass
+        except NodeLost:
+            pass   # killed through Ray with its host
 
     def exit_reason(self, pid: int) -> str:
-        try:
-            return self.call("exit_reason", pid)
-        except ray.exceptions.RayActorError:
-            return "was lost with its node (the node's Ray host actor died)"
+        if self.lost is None:
+            try:
+                return self.call("exit_reason", pid)
+            except NodeLost:
+                pass
+        return f"was lost with its node ({self.lost})"
 
     def sample(self, pid: int) -> None:
-        try:
-            self.call("sample", pid)
-        except ray.exceptions.RayActorError:
-            pass
+        """Asks the host to sample `pid`'s OOM evidence; the answer is not awaited (and
+        one sample at a time is in flight)."""
+        if self.lost is None and (self._sampling is None
+                                  or ray.wait([self._sampling], timeout=0)[0]):
+            self._sampling = self.actor.sample.remote(pid)
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def recorded_address_file() -> Path:
+    """Where `ray start` records the address of the cluster it started on this machine
+    (what Ray itself reads for the address "auto")."""
+    from ray._common.utils import get_ray_address_file   # Ray's own path (a private module)
+
+    return Path(get_ray_address_file(None))
+
+
+def find_address(cfg: ClusterConfig) -> tuple[str, str]:
+    """The Ray cluster's address and where it came from (for messages): the flag, the
+    RAY_ADDRESS variable, or the file the last `ray start` here wrote. ValueError when
+    there is none."""
+    if cfg.ray_address and cfg.ray_address != "auto":
+        return cfg.ray_address, "--cluster.ray-address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "the RAY_ADDRESS variable"
+    path = recorded_address_file()
+    try:
+        recorded = path.read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded:
+        return recorded, f"{path}, which the last `ray start` on this machine wrote"
+    raise ValueError("cluster.backend='ray' found no Ray cluster to join: start one (ray start "
+                     "--head) and give its address with --cluster.ray-address HOST:PORT (or "
+                     "the RAY_ADDRESS variable)")
+
+
+def _host_port(address: str, where: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"the Ray address {address!r} (from {where}) is not HOST:PORT")
+    return host, int(port)
+
+
+def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """None when a TCP connection to host:port opens within `timeout_s`, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return None
+    except OSError as err:
+        return err
+
+
+def reachable_address(cfg: ClusterConfig) -> str:
+    """`find_address`'s address once its head answers (a TCP connection to its port),
+    within `cfg.connect_timeout_s`; else ValueError naming the address, where it came
+    from and what to do. Each try is a short connect, so Ctrl-C and SIGTERM act at once
+    (ray.init would retry a dead address for minutes and hold the signals off)."""
+    address, where = find_address(cfg)
+    host, port = _host_port(address, where)
+    deadline = time.monotonic() + cfg.connect_timeout_s
+    tries = 0
+    while (err := _connect_error(host, port, min(2.0, cfg.connect_timeout_s))) is not None:
+        if not tries:
+            print(f"fnrl: waiting for the Ray cluster at {address} (from {where}) to answer, "
+                  f"up to {cfg.connect_timeout_s:g} s: {err}", flush=True)
+        tries += 1
+        if time.monotonic() >= deadline:
+            stale = (f"; `ray stop` (or removing {recorded_address_file()}) forgets it"
+                     if where.startswith(str(recorded_address_file())) else "")
+            raise ValueError(
+                f"no Ray cluster answers at {address} (from {where}) after "
+                f"{cfg.connect_timeout_s:g} s: {err}. If that cluster is gone, the address is "
+                f"stale: start a cluster (ray start --head) or name a live one with "
+                f"--cluster.ray-address HOST:PORT{stale}")
+        time.sleep(0.5)
+    return address
 
 
 def _base(role: str) -> str:
@@ -233,10 +403,14 @@ class RayLauncher:
 
     def __init__(self, cfg: ClusterConfig, num_rollouts: int, *, with_eval: bool,
                  gpus_per_process: int = 0, trainer_processes: int = 1,
-                 tensor_parallel_size: int = 1, call_timeout_s: float = 120.0):
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
-        ray.init(address=address, namespace=f"fnrl-{os.getpid()}", log_to_driver=False,
-                 configure_logging=False)
+                 tensor_parallel_size: int = 1, call_timeout_s: float = 120.0,
+                 node_timeout_s: float = 30.0):
+        ray.init(address=reachable_address(cfg), namespace=f"fnrl-{os.getpid()}",
+                 log_to_driver=False, configure_logging=False)
+        self.cluster_lost: str | None = None
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_head, daemon=True, name="fnrl-ray-head",
+                         args=(ray.get_runtime_context().gcs_address,)).start()
         named = name_nodes(ray.nodes(), cfg.node_label)
         nodes = {name: node_id for name, (node_id, _) in named.items()}
         self.placement: Placement = place_roles(
@@ -251,7 +425,8 @@ class RayLauncher:
                 nodes[name], soft=False), name=f"fnrl-host-{name}",
                 num_gpus=self.placement.gpus_on(name)).remote(name, cfg.file_mask)
             for name in used}
-        self.hosts = {name: _Host(a, name, call_timeout_s) for name, a in self._actors.items()}
+        self.hosts = {name: _Host(a, name, call_timeout_s, node_timeout_s)
+                      for name, a in self._actors.items()}
         self.ips = {name: host.call("ip") for name, host in self.hosts.items()}
         self.node_ids = {name: host.call("node_id") for name, host in self.hosts.items()}
         self.gpu_ids = {name: host.call("gpu_ids") for name, host in self.hosts.items()}
@@ -262,6 +437,29 @@ class RayLauncher:
                             for rid in range(num_rollouts)}
         self._moved: dict[str, str] = {}       # role -> node, after its node was lost
         self._started: set[str] = set()
+
+    def _watch_head(self, gcs_address: str) -> None:
+        """Sets `cluster_lost` once the cluster's head (its GCS) has refused or not
+        answered connections for GCS_LOST_S."""
+        host, port = _host_port(gcs_address, "Ray")
+        answered = time.monotonic()
+        while not self._closed.wait(1.0):
+            err = _connect_error(host, port, timeout_s=2.0)
+            if err is None:
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= GCS_LOST_S:
+                self.cluster_lost = (f"the Ray cluster's head (its GCS at {gcs_address}) has "
+                                     f"not answered for {GCS_LOST_S:g} s: {err}")
+                return
+
+    def check(self) -> None:
+        """Raises ClusterLost once the cluster's head is gone."""
+        if self.cluster_lost is not None:
+            raise ClusterLost(self.cluster_lost)
+
+    def lost_nodes(self) -> dict[str, str]:
+        """{node: why it was lost} of the job's nodes lost so far."""
+        return {name: host.lost for name, host in self.hosts.items() if host.lost}
 
     def node_of(self, role: str) -> str:
         return self._moved.get(_base(role)) or self.placement.node_of(role)
@@ -286,7 +484,7 @@ class RayLauncher:
         node = self.node_of(role)
         if self.hosts[node].alive():
             return self.hosts[node]
-        survivors = [n for n, h in self.hosts.items() if not h.dead and h.alive()]
+        survivors = [n for n, h in self.hosts.items() if h.alive()]
         if not survivors:
             raise RuntimeError(f"{role}: every node of the job is lost")
         if self.placement.gpus.get(_base(role)):
@@ -324,8 +522,8 @@ class RayLauncher:
         extra = {"PYTHONUNBUFFERED": "1", auth.ENV_VAR: auth.with_secret(None)[auth.ENV_VAR]}
         if devices := self.visible_devices(role):   # the trainer's (a relay needs none)
             extra["CUDA_VISIBLE_DEVICES"] = devices
-        pid = host.call("spawn", argv, str(log_path), extra, int(death_signal),
-                        role if relay else None)
+        pid = host.watch(host.call("spawn", argv, str(log_path), extra, int(death_signal),
+                                   role if relay else None))
         self._started.add(role)
         return HostedProcess(host, pid, log_path, host.node)
 
@@ -333,8 +531,8 @@ class RayLauncher:
         host = self._host(role)
         secret = auth.with_secret(None)[auth.ENV_VAR]
         self._started.add(role)
-        return HostedProcess(host, host.call("launch_server", spec, str(log_path), secret),
-                             log_path, host.node)
+        pid = host.watch(host.call("launch_server", spec, str(log_path), secret))
+        return HostedProcess(host, pid, log_path, host.node)
 
     def check_memory(self, plan: MemoryPlan) -> None:
         """Each machine's planned roles against its available memory, before any role
@@ -351,22 +549,23 @@ class RayLauncher:
         check_plan_per_machine(plan, machine_of, available)
 
     def remove_segments(self, relay: str, proc) -> None:
-        if not proc.host.dead:   # a lost node's segments went with it
-            try:
-                proc.host.call("remove_segments", proc.pid)
-            except ray.exceptions.RayActorError:
-                pass
+        try:   # a lost node's segments went with it, or go when its host is killed
+            proc.host.call("remove_segments", proc.pid)
+        except NodeLost:
+            pass
 
     def close(self, grace_s: float = 10.0) -> None:
         """Stops what the hosts still run, removes the hosts, leaves the cluster (which
-        keeps running: it is not the job's)."""
+        keeps running: it is not the job's). Hosts are reached directly, so this works
+        with the cluster's head gone too."""
+        self._closed.set()
         for host in self.hosts.values():
-            if host.dead:
-                continue
             try:
                 host.call("stop_everything", grace_s, timeout_s=3 * grace_s + 30)
-            except ray.exceptions.RayError:
+            except NodeLost:
                 pass
-        for actor in self._actors.values():
-            ray.kill(actor)
+            host.close()
+        if self.cluster_lost is None:   # (a kill goes through the head)
+            for actor in self._actors.values():
+                ray.kill(actor)
         ray.shutdown()

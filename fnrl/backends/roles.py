@@ -130,6 +130,12 @@ class LocalLauncher:
     def check_memory(self, plan) -> None:
         """Nothing more: the job's plan was checked against this host before it started."""
 
+    def check(self) -> None:
+        """Nothing to raise: this host is the controller's own."""
+
+    def lost_nodes(self) -> dict[str, str]:
+        return {}
+
     def remove_segments(self, relay: str, proc) -> None:
         if not procs.alive(proc.pid):
             remove_segments(relay, proc.pid)
@@ -418,6 +424,7 @@ class Cluster:
                     self.restart_server(int(name.removeprefix("rollout")))
 
     def check(self) -> None:
+        self.launcher.check()   # ClusterLost: the cluster under the roles is gone
         tier = self.relay_tier
         for role in self.roles:
             code = role.proc.poll()

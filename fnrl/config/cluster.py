@@ -55,7 +55,11 @@ class ClusterConfig:
     Ray) or "ray" (an existing Ray cluster places them on its nodes: fnrl.backends.ray_cluster,
     docs/multinode.md)."""
     ray_address: str = ""
-    """The Ray cluster to join ("": the RAY_ADDRESS variable, else "auto")."""
+    """The Ray cluster to join, HOST:PORT of its head ("": the RAY_ADDRESS variable, else
+    the cluster `ray start` last recorded on this machine)."""
+    connect_timeout_s: float = 30.0
+    """How long the job waits for the Ray cluster to answer before it refuses to start,
+    naming the address and where it came from."""
     trainer_node: str = ""
     """The Ray node the trainer runs on, by its `node_label` value ("": the first by name)."""
     node_label: str = "fnrl-node"
@@ -73,3 +77,5 @@ class ClusterConfig:
               "must be an IP address or a host name")
         check(self.backend in ("local", "ray"), "ClusterConfig", "backend", self.backend,
               "must be 'local' or 'ray'")
+        check(self.connect_timeout_s > 0, "ClusterConfig", "connect_timeout_s",
+              self.connect_timeout_s, "must be > 0")

@@ -60,6 +60,11 @@ class FaultConfig:
     """Zero throughput for this long while work is placed on a rollout: suspect."""
     heartbeat_timeout_s: float = 10.0
     """A suspect rollout whose heartbeat has not answered for this long has failed."""
+    node_timeout_s: float = 30.0
+    """A Ray node whose host has not answered for this long is lost (hung or gone): its
+    roles are handled as lost ones and move to the other nodes, which never wait on it
+    (fnrl.backends.ray_cluster). Ray's own node health check declares a node dead after
+    about 30 s too."""
     max_restart_failures: int = 1
     """Failed restarts of one role that are retried before the job restarts (paper: 1)."""
     max_job_restarts: int = 3
@@ -73,7 +78,7 @@ class FaultConfig:
 
     def __post_init__(self):
         positive(self, "trainer_hang_s", "trainer_hang_factor", "trainer_first_step_s",
-                 "rollout_stall_s", "heartbeat_timeout_s")
+                 "rollout_stall_s", "heartbeat_timeout_s", "node_timeout_s")
         check(self.policy in ("role", "job"), "FaultConfig", "policy", self.policy,
               "must be 'role' or 'job'")
         for name in ("max_restart_failures", "max_job_restarts"):

@@ -57,6 +57,7 @@ class RolloutState:
     kv_capacity: float = 1.0
     kv_prev: float = 0.0
     complete: int = 0                 # trajectories finished here since its last Pull
+    tokens: int = 0                   # tokens sampled here, all told (the timeline's)
     waiting: int = 0                  # vLLM's waiting-queue length, from its heartbeat
     pull_task: asyncio.Task | None = None
     evals: set = field(default_factory=set)      # evaluation tasks running here
@@ -250,6 +251,7 @@ class Generation:
                         t.tokens += len(chunk.token_ids)
                         t.started = True
                         book.generated_tokens += len(chunk.token_ids)
+                        rollout.tokens += len(chunk.token_ids)
                         self.progress.streamed(rid)
                     if chunk.finish_reason is not None:
                         reason = chunk.finish_reason
@@ -276,6 +278,7 @@ class Generation:
             t.tokens += n
             t.started = True
             book.generated_tokens += n
+            rollout.tokens += n
             self.progress.streamed(rid)
 
         seed = request_seed(cfg.seed, t.uid, 0) if cfg.deterministic else None

@@ -3,12 +3,12 @@ and the clock, as typed interfaces.
 
 The loop (fnrl.control.loop) talks only to these. Local processes implement them
 (fnrl.backends.local: a ZeroMQ trainer process, vLLM HTTP servers, the relay tier),
-in-process fakes implement them in tests (tests/control/fakes.py), and a Ray-placed
-or simulated implementation plugs in the same way: build a `Roles` and hand it to
-`Controller`. A handle never decides anything; the loop's pure policies do, and `act`
-calls the handle. Failures surface as `RoleError` (a role died or answered with an
-error) or `ServerError` (a rollout's request failed), and `exit_code()` says whether
-the role's process is gone.
+simulated roles on virtual time implement them in process (fnrl.sim.handles: the
+simulator's, and the tests' fakes), and a Ray-placed implementation plugs in the same
+way: build a `Roles` and hand it to `Controller`. A handle never decides anything; the
+loop's pure policies do, and `act` calls the handle. Failures surface as `RoleError` (a
+role died or answered with an error) or `ServerError` (a rollout's request failed), and
+`exit_code()` says whether the role's process is gone.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from fnrl.envs.base import ToolResult
-from fnrl.types import Completion, NodeLost, RoleError, ServerError, StreamChunk
+from fnrl.types import ClusterLost, Completion, NodeLost, RoleError, ServerError, StreamChunk
 
 __all__ = ["Clock", "MonotonicClock", "TrainerHandle", "RolloutHandle", "EvalServerHandle",
            "RelayTierHandle", "ToolsHandle",
-           "NodeLost", "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
+           "ClusterLost", "NodeLost", "RelayEvent", "Roles", "RoleError", "ServerError", "TrainResult"]
 
 
 @runtime_checkable
@@ -177,7 +177,8 @@ class RelayTierHandle(Protocol):
         own again once a replacement has caught up)."""
 
     def check(self) -> None:
-        """Raises RoleError when no relay is left to serve weights."""
+        """Raises RoleError when no relay is left to serve weights, ClusterLost when the
+        cluster the roles run on is gone."""
 
     def events(self) -> tuple[RelayEvent, ...]:
         """Every chain repair since the tier started, oldest first."""

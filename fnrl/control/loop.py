@@ -10,8 +10,8 @@ restarts). So the next snapshot already reflects every command issued (the
 speculative state P matches it) while the I/O lands in the background. The loop wakes
 on every finished trajectory, landed pull or returned step, and on a short tick.
 
-The roles are handles (fnrl.control.handles): local processes, in-process fakes in
-tests, or any other implementation; the clock is a handle too.
+The roles are handles (fnrl.control.handles): local processes, simulated roles on virtual
+time (fnrl.sim.handles, which the tests' fakes configure), or any other; the clock too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.eval_lane import EvalLane
 from fnrl.control.gating import Gating
 from fnrl.control.generation import Generation
-from fnrl.control.handles import Clock, MonotonicClock, Roles
+from fnrl.control.handles import ClusterLost, Clock, MonotonicClock, Roles
 from fnrl.control.supervisor import JobRestart, Supervisor
 from fnrl.control.trajectories import TrajectoryTable
 from fnrl.control.training import Training
@@ -128,10 +128,13 @@ class Controller:
             # Dated at the loop's end: the final evaluation is not run time (ETTR's wall).
             self.attempts.write("end", self.svc.t0_epoch + wall, **self._progress(wall))
             return summary
-        except JobRestart:
-            # The job runner restarts every role; this attempt's down time is kept.
-            self.attempts.write("end", self.svc.clock.epoch(), job_restart=True,
-                                **self._progress(self.svc.now()))
+        except (JobRestart, ClusterLost) as err:
+            # Every role restarts (down time kept), or a named end (a re-run resumes).
+            end = ({"cluster_lost": str(err)} if isinstance(err, ClusterLost)
+                   else {"job_restart": True})
+            if "cluster_lost" in end:
+                self.supervisor.record("cluster_lost", reason=str(err))
+            self.attempts.write("end", self.svc.clock.epoch(), **end, **self._progress(self.svc.now()))
             raise
         except Exception as err:
             if not no_space(err):
@@ -213,6 +216,7 @@ class Controller:
                                          trainer_down=self.supervisor.down("trainer"))
         if not self.svc.timeline or now - self.svc.timeline[-1]["t"] >= 0.25:
             self.svc.timeline.append({"t": now, "running": placed.tolist(),
+                                      "tokens": [r.tokens for r in rollouts],
                                       "versions": snap.inst_version_R.tolist(),
                                       "trainer_busy": b.trainer_busy})
         if now - self._last_progress >= PROGRESS_EVERY_S:

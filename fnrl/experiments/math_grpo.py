@@ -66,12 +66,14 @@ from fnrl.sandbox.pool import Mode, SandboxPool, SandboxUnavailable, choose_mode
 from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
 from fnrl.shell.files import DiskFull, no_space, remove_unfinished_saves
 from fnrl.shell.net import free_port
-from fnrl.shell.wire import RoleError
+from fnrl.shell.wire import ClusterLost, RoleError
 
 
 # Exit codes: 0 done; 1 a role failed for good; 2 bad input; 3 a correctness gate stopped
-# the run; 4 every update was refused; 5 the run directory's disk is full; 128 + N a signal.
+# the run; 4 every update was refused; 5 the run directory's disk is full; 6 the Ray
+# cluster's head was lost mid-run; 128 + N a signal.
 EXIT_DISK_FULL = 5
+EXIT_CLUSTER_LOST = 6
 
 
 def code_version() -> dict:
@@ -264,6 +266,10 @@ def run(cfg: RunConfig) -> dict:
 
 
 def _run(cfg: RunConfig) -> dict:
+    if cfg.cluster.backend == "ray":   # a cluster that does not answer: said first of all
+        address = ray_backend().reachable_address(cfg.cluster)
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster,
+                                                                   ray_address=address))
     model_dir = resolve_model_dir(cfg)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     # Multi-turn tools: the sandbox's mode is settled before anything is written, so a
@@ -297,6 +303,9 @@ def _run(cfg: RunConfig) -> dict:
                 raise RoleError(f"gave up after {restarts - 1} job restart(s): {err}") from err
             print(f"fnrl: restarting the job from its checkpoint: {err}", file=sys.stderr,
                   flush=True)
+        except ClusterLost as err:   # every role it could reach is stopped
+            summary = {"cluster_lost": str(err)}
+            break
         except Exception as err:   # a full disk: every role is stopped, the stop reported
             if not no_space(err):
                 raise
@@ -350,7 +359,9 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(relays)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
-        return asyncio.run(_attempt(cfg, run_dir, cluster, task, sandbox))
+        summary = asyncio.run(_attempt(cfg, run_dir, cluster, task, sandbox))
+        # Nodes lost on the way (Ray), with why: their roles' failures name them too.
+        return {**summary, **({"lost_nodes": lost} if (lost := launcher.lost_nodes()) else {})}
     finally:
         cluster.stop()
         launcher.close()
@@ -362,16 +373,22 @@ def make_launcher(cfg: RunConfig, gpu=None):
     the one GPU they share, `gpu_plan`), or Ray's nodes."""
     if cfg.cluster.backend == "local":
         return LocalLauncher(gpu=gpu)
-    try:   # Ray is imported only when used: an optional dependency (the extra `ray`)
-        from fnrl.backends.ray_cluster import RayLauncher
+    return ray_backend().RayLauncher(
+        cfg.cluster, cfg.rollout.num_servers, with_eval=cfg.eval.server == "dedicated",
+        gpus_per_process=cfg.trainer.gpus_per_process,
+        trainer_processes=cfg.trainer.distributed.num_processes,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        node_timeout_s=cfg.faults.node_timeout_s)
+
+
+def ray_backend():
+    """fnrl.backends.ray_cluster: Ray is imported only when used (the optional extra `ray`)."""
+    try:
+        from fnrl.backends import ray_cluster
     except ImportError as err:
         raise ValueError(f"cluster.backend='ray' needs Ray, which is not installed ({err}): "
                          "pip install 'fnrl[ray]'") from None
-    return RayLauncher(cfg.cluster, cfg.rollout.num_servers,
-                       with_eval=cfg.eval.server == "dedicated",
-                       gpus_per_process=cfg.trainer.gpus_per_process,
-                       trainer_processes=cfg.trainer.distributed.num_processes,
-                       tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    return ray_cluster
 
 
 def _flag_value(argv: list[str], flag: str) -> tuple[list[str], str | None]:
@@ -467,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
               f"holds is whole; make room, then the same --run-dir resumes it. Summary in "
               f"{Path(summary['run_dir']) / 'summary.json'}", file=sys.stderr)
         return EXIT_DISK_FULL
+    if summary.get("cluster_lost"):
+        print(f"fnrl: stopped: {summary['cluster_lost']}. Every role it could reach is stopped; "
+              f"on a live cluster the same --run-dir resumes the run. Summary in "
+              f"{Path(summary['run_dir']) / 'summary.json'}", file=sys.stderr)
+        return EXIT_CLUSTER_LOST
     if summary.get("gate_stopped"):   # fnrl.policy.gates: a clean stop, with a report
         print(f"fnrl: stopped by the correctness gate {summary['gate_stopped']}; see "
               f"{Path(summary['run_dir']) / 'gates_stop.json'}", file=sys.stderr)

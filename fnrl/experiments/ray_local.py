@@ -79,11 +79,63 @@ def trained_steps(run_dir: Path) -> int:
 def lose_node_after(cluster, node, run_dir: Path, step: int, done: threading.Event) -> None:
     """Removes `node`'s raylet (its workers, its node host and every role that host
     started die with it) once the run has trained `step` steps: a lost machine."""
+    if _after_step(run_dir, step, done):
+        print(f"ray_local: losing a node after step {step}", flush=True)
+        cluster.remove_node(node, allow_graceful=False)
+
+
+def _after_step(run_dir: Path, step: int, done: threading.Event) -> bool:
+    """Waits until the run has trained `step` steps (True), or the job ended (False)."""
     while not done.wait(0.5):
         if trained_steps(run_dir) >= step:
-            print(f"ray_local: losing a node after step {step}", flush=True)
-            cluster.remove_node(node, allow_graceful=False)
-            return
+            return True
+    return False
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def hang_node_after(node: str, run_dir: Path, step: int, seconds: float,
+                    done: threading.Event) -> None:
+    """SIGSTOPs `node`'s host actor and every role it started (its raylet runs on) once
+    the run has trained `step` steps, and SIGCONTs what is left of them `seconds` later:
+    a node that stops answering (a frozen machine, a host stuck in the kernel)."""
+    if not _after_step(run_dir, step, done):
+        return
+    roles = json.loads((run_dir / "roles.json").read_text())
+    mine = {name: info["pid"] for name, info in roles.items() if info["node"] == node}
+    hosts = {_parent(pid) for pid in mine.values()}
+    groups = {os.getpgid(pid) for pid in mine.values()}
+    for pid in hosts:
+        os.kill(pid, signal.SIGSTOP)
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    print(f"ray_local: node {node} hung ({sorted(mine)}, groups {sorted(groups)}, and their "
+          f"host, pid {sorted(hosts)}) at epoch {time.time():.3f}", flush=True)
+    done.wait(seconds)
+    for pid in hosts:
+        _signal(lambda: os.kill(pid, signal.SIGCONT))
+    for group in groups:
+        _signal(lambda: os.killpg(group, signal.SIGCONT))
+    print(f"ray_local: node {node} resumed at epoch {time.time():.3f}", flush=True)
+
+
+def _signal(send) -> None:
+    try:
+        send()
+    except ProcessLookupError:   # killed meanwhile (a lost node's host is killed via Ray)
+        pass
+
+
+def kill_head_after(cluster, run_dir: Path, step: int, done: threading.Event) -> None:
+    """SIGKILLs the head's GCS server once the run has trained `step` steps: the cluster's
+    control store is gone (the raylets and the job's processes run on)."""
+    if _after_step(run_dir, step, done):
+        cluster.head_node.kill_gcs_server()
+        print(f"ray_local: the head's GCS killed after step {step} at epoch "
+              f"{time.time():.3f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a fault: remove this node (not the head) mid-run")
     parser.add_argument("--lose-after-step", type=int, default=2, metavar="K",
                         help="remove --lose-node once K steps are trained")
+    parser.add_argument("--hang-node", default="", metavar="NAME",
+                        help="a fault: SIGSTOP this node's host and roles mid-run")
+    parser.add_argument("--hang-after-step", type=int, default=2, metavar="K")
+    parser.add_argument("--hang-s", type=float, default=60.0, metavar="S",
+                        help="SIGCONT what is left of the hung node after S seconds")
+    parser.add_argument("--kill-head-after-step", type=int, default=0, metavar="K",
+                        help="a fault: SIGKILL the head's GCS once K steps are trained")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     nodes = [n for n in args.nodes.split(",") if n]
     if len(set(nodes)) != len(nodes) or not nodes:
@@ -106,22 +165,32 @@ def main(argv: list[str] | None = None) -> int:
                      f"head, {nodes[0]!r}, which holds the cluster's control store)")
     if args.trainer_node and args.trainer_node not in nodes:
         parser.error(f"--trainer-node {args.trainer_node!r}: not one of {nodes}")
-    if args.lose_node and "--run-dir" not in job_args:
-        parser.error("--lose-node needs the job's --run-dir (to see its steps)")
+    if args.hang_node and args.hang_node not in nodes[1:]:
+        parser.error(f"--hang-node {args.hang_node!r}: must be one of {nodes[1:]}")
+    faults = args.lose_node or args.hang_node or args.kill_head_after_step
+    if faults and "--run-dir" not in job_args:
+        parser.error("a fault (--lose-node, --hang-node, --kill-head-after-step) needs the "
+                     "job's --run-dir (to see its steps)")
     enter_loopback_namespace()   # first: no thread may run yet
-    # A SIGTERM unwinds like Ctrl-C, through the finally below.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM and SIGHUP unwind like Ctrl-C, through the finally below.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     temp_dir = tempfile.mkdtemp(prefix="fnrl-ray-")   # short: Ray's socket paths live here
     print(f"ray_local: nodes {nodes} on 127.0.0.1, Ray's files in {temp_dir}", flush=True)
     cluster, done = None, threading.Event()
     try:
         cluster, workers = start_cluster(nodes, temp_dir)
         print(f"ray_local: cluster up at epoch {time.time():.3f}", flush=True)
-        if args.lose_node:
-            node = workers[args.lose_node]
-            run_dir = Path(job_args[job_args.index("--run-dir") + 1])
-            threading.Thread(target=lose_node_after, daemon=True,
-                             args=(cluster, node, run_dir, args.lose_after_step, done)).start()
+        run_dir = Path(job_args[job_args.index("--run-dir") + 1]) if faults else None
+        for target, fault_args in (
+                (lose_node_after, args.lose_node and (
+                    cluster, workers.get(args.lose_node), run_dir, args.lose_after_step, done)),
+                (hang_node_after, args.hang_node and (
+                    args.hang_node, run_dir, args.hang_after_step, args.hang_s, done)),
+                (kill_head_after, args.kill_head_after_step and (
+                    cluster, run_dir, args.kill_head_after_step, done))):
+            if fault_args:
+                threading.Thread(target=target, args=fault_args, daemon=True).start()
         from fnrl.experiments.math_grpo import main as job_main
         return job_main([*job_args, "--cluster.backend", "ray", "--cluster.ray-address",
                          cluster.address, "--cluster.node-label", NODE_LABEL,

@@ -19,7 +19,7 @@ import zmq
 from fnrl.shell import auth
 from fnrl.shell.files import DiskFull, log_tail
 from fnrl.shell.procs import exit_reason
-from fnrl.types import NodeLost, RoleError  # noqa: F401 - re-exported
+from fnrl.types import ClusterLost, NodeLost, RoleError  # noqa: F401 - re-exported
 
 
 def send(sock: zmq.Socket, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None = None,

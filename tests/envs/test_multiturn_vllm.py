@@ -9,7 +9,6 @@ sequence by one id would show in the later turns' log-probs.
 import asyncio
 
 import aiohttp
-import jax
 import numpy as np
 import pytest
 
@@ -17,7 +16,7 @@ from fnrl.data.arith import build_tokenizer
 from fnrl.envs.base import Step
 from fnrl.envs.episode import run_episode
 from fnrl.envs.turns import FedTurn, SampledTurn, context_ids, flatten_turns, is_extension
-from fnrl.models.hf_io import load_pretrained, save_pretrained
+from fnrl.models.hf_io import load_pretrained
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, serve, stop_server
 from fnrl.shell.net import free_port
@@ -49,15 +48,6 @@ class EchoEnv:
 
     async def close(self):
         pass
-
-
-@pytest.fixture(scope="module")
-def peaked_model_dir(tiny_model_dir, tmp_path_factory):
-    """Weights scaled up: peaked next-token distributions, so a wrong context shows."""
-    cfg, _, params = load_pretrained(tiny_model_dir)
-    params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
-    return save_pretrained(tmp_path_factory.mktemp("peaked") / "model", cfg, params,
-                           tokenizer_dir=tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ vLLM's completions exactly as the controller builds one.
 import asyncio
 
 import aiohttp
-import jax
 import numpy as np
 import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
-from fnrl.models.hf_io import load_pretrained, save_pretrained
+from fnrl.models.hf_io import load_pretrained
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, serve, stop_server
 from fnrl.shell.net import free_port
@@ -28,16 +27,6 @@ def Sample(prompt_ids, response_ids, logprobs, versions, reward) -> Trajectory:
     return Trajectory(uid="t", prompt_ids=tuple(prompt_ids),
                       segments=(Segment(versions[0] if versions else 0, tuple(response_ids),
                                         tuple(logprobs)),), finish_reason="stop", reward=reward)
-
-
-@pytest.fixture(scope="module")
-def peaked_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with weights scaled up: peaked next-token distributions, so a
-    kernel difference shows in the log-probs (near-uniform ones hide it)."""
-    cfg, _, params = load_pretrained(tiny_model_dir)
-    params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
-    return save_pretrained(tmp_path_factory.mktemp("peaked") / "model", cfg, params,
-                           tokenizer_dir=tiny_model_dir)
 
 
 @pytest.fixture(scope="module", params=[(1.0, -1, 1.0), (0.7, 5, 0.9)],
