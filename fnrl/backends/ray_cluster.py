@@ -209,6 +209,13 @@ class _Host:
                       f"{type(err).__name__}: {first}")
 
     def _watch(self) -> None:
+        try:
+            self._watch_until_lost()
+        except Exception as err:   # noqa: BLE001 - Ray shut down under it, or worse
+            if not self._closed.is_set():
+                self.lose(f"its watcher failed: {type(err).__name__}: {err}")
+
+    def _watch_until_lost(self) -> None:
         while not self._closed.is_set() and self.lost is None:
             with self._lock:
                 pids = list(self._codes)
@@ -292,6 +299,7 @@ class _Host:
 
     def close(self) -> None:
         self._closed.set()
+        self._watcher.join(timeout=2 * self.WATCH_S)
 
 
 def recorded_address_file() -> Path:

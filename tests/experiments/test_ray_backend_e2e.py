@@ -7,6 +7,7 @@ the cluster's head (its GCS) is killed, and a re-run on a new cluster resumes.""
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -210,3 +211,29 @@ def test_losing_the_trainers_node_then_the_head_stops_cleanly_and_a_rerun_resume
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert sorted({r["step"] for r in train}) == list(range(1, 17))
     assert_nothing_lost(run_dir, steps=16, eta=2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_removes_ray_locals_cluster(tmp_path, cache_dir, sig):
+    """ray_local's cluster goes on every way out: here a stop signal as soon as the
+    cluster is up (the job is then starting its roles on it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b", "--",
+         "--steps", "1", "--run-dir", str(tmp_path / "run"), "--warm-start.cache-dir",
+         cache_dir, *SMALL, "--eval.server", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        temp_dir = None
+        for line in proc.stdout:
+            temp_dir = temp_dir or re.search(r"Ray's files in (\S+)", line)
+            if "cluster up" in line:
+                break
+        proc.send_signal(sig)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert temp_dir and not _ours_left(temp_dir.group(1))
+    assert not Path(temp_dir.group(1)).exists()
