@@ -72,9 +72,18 @@ class RoutingConfig:
     cycle's time (about 8 µs per route); the rest are withheld to the next cycle, which is
     what Alg. 3 does with any trajectory it cannot place well yet. None: no cap."""
 
+    moves_per_step: int = 2
+    """How many times one trajectory may be moved per training step by the rules that
+    move work (migration's two cases, repack, balancing); one moved that often stays
+    where it is until the next step (fnrl.policy.cycle). Gap (ours): none of the papers
+    bounds it, and under KV pressure a rule that moves waiting work can move the same
+    trajectories every cycle; sync's interrupts (a pull) are not counted."""
+
     def __post_init__(self):
         name = "RoutingConfig"
         check(0 <= self.mu <= 1, name, "mu", self.mu, "must be in [0, 1]")
+        check(self.moves_per_step >= 0, name, "moves_per_step", self.moves_per_step,
+              "must be >= 0")
         check(self.phi_wait >= 0, name, "phi_wait", self.phi_wait, "must be >= 0")
         check(self.phi_throughput > 1, name, "phi_throughput", self.phi_throughput,
               "must be > 1")

@@ -64,7 +64,7 @@ def plan_balance(view: WorkingView, cfg: BalanceConfig) -> list:
         if score[src] - score[dst] <= cfg.threshold:
             break
         idx = view.members(src)
-        idx = idx[view.waiting[idx]]
+        idx = idx[view.waiting[idx] & ~view.pinned[idx]]
         idx = idx[np.argsort(view.length[idx], kind="stable")]     # short context first
         # Feasibility: the request runs at once on dst (its KV fits, the batch is under
         # the sequence cap and nothing waits there), so admitting it does not cut dst's

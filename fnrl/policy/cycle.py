@@ -23,6 +23,7 @@ same trajectory, and Pull follows the Interrupt of the rollout's trajectories (Â
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +36,8 @@ from fnrl.policy.routing import (SpeculativeState, WorkingView, apply_commands, 
                                  plan_sync, route, route_commands, snapshot_is_valid,
                                  sync_commands)
 from fnrl.policy.samplers import SAMPLERS
-from fnrl.types import Abort, ClusterSnapshot, Consume, DropGroups, FillPrompts
+from fnrl.types import (Abort, ClusterSnapshot, Consume, DropGroups, FillPrompts, Interrupt,
+                        Migrate, Pull, Route)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +74,10 @@ class CycleState:
     repack_due_s: float = 0.0
     repack_seen_ps_version: int = 0
     stuck_since: tuple[int, float] | None = None   # (v_train, time) the head turned Stuck
+    moves: Mapping[int, int] = field(default_factory=dict)
+    """Times each trajectory (by id) was moved by migration, repack or balancing while
+    the trainer was at `moves_v_train` (RoutingConfig.moves_per_step)."""
+    moves_v_train: int = 0
 
 
 def init_cycle_state(cfg: CycleConfig, inst_version_R, *, v_train: int = 0) -> CycleState:
@@ -122,6 +128,12 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
         tick("validation")
         return state, tuple(cmds), CycleReport(False, consumed, 0, 0)
     view = WorkingView(snap, st.group_versions(stale_state), cfg.cost)
+    moves = state.moves if state.moves_v_train == stale_state.v_train else {}
+    if cfg.routing.moves_per_step == 0:
+        view.pinned[:] = True
+    elif moves:
+        capped = [t for t, n in moves.items() if n >= cfg.routing.moves_per_step]
+        view.pinned = np.isin(view.tid, np.asarray(capped, np.int64))
     if doomed:
         cmds += _abort_doomed(view, doomed)
         state = dataclasses.replace(state, doomed_gids=frozenset())
@@ -146,7 +158,9 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
     plan = route(view, stale_state, empties, cfg.routing.mu,
                  gain_resolution=cfg.routing.gain_resolution, max_routes=cfg.routing.max_routes,
                  policy=cfg.routing.policy)
-    cmds += route_commands(view, plan)
+    cmds = _without_round_trips(cmds + route_commands(view, plan))
+    state = dataclasses.replace(state, moves=_count_moves(moves, cmds),
+                                moves_v_train=stale_state.v_train)
     if plan.admissions:
         stale_state = st.reserve_many(stale_state, plan.admissions)
     tick("routing")
@@ -163,6 +177,41 @@ def decide_cycle_traced(snap: ClusterSnapshot, state: CycleState, cfg: CycleConf
     tick("commit")
     routed = sum(len(v) for v in plan.routes.values())
     return state, tuple(cmds), CycleReport(True, consumed, routed, len(synced))
+
+
+def _without_round_trips(cmds: list) -> list:
+    """`cmds` less every trajectory that a migration interrupts and the cycle's routing
+    places back on the rollout it left (balancing or repack, which run after migration,
+    changed the view it chose on): it stays where it is, and nothing is sent for it.
+    Sync's interrupts (their rollout pulls) return trajectories to the TS by design."""
+    pulled = {c.rid for c in cmds if isinstance(c, Pull)}
+    left = {(t, c.rid) for c in cmds if isinstance(c, Interrupt) and c.rid not in pulled
+            for t in c.tids}
+    back = left & {(t, c.rid) for c in cmds if isinstance(c, Route) for t in c.tids}
+    if not back:
+        return cmds
+    out = []
+    for c in cmds:
+        if isinstance(c, (Interrupt, Route)):
+            c = dataclasses.replace(c, tids=tuple(t for t in c.tids if (t, c.rid) not in back))
+            if not c.tids:
+                continue
+        out.append(c)
+    return out
+
+
+def _count_moves(moves: Mapping[int, int], cmds: list) -> Mapping[int, int]:
+    """`moves` with one more for every trajectory that a migration's Interrupt (not a
+    sync's: its rollout pulls) or a Migrate in `cmds` moves."""
+    pulled = {c.rid for c in cmds if isinstance(c, Pull)}
+    moved = [t for c in cmds if isinstance(c, Migrate)
+             or (isinstance(c, Interrupt) and c.rid not in pulled) for t in c.tids]
+    if not moved:
+        return moves
+    counts = dict(moves)
+    for t in moved:
+        counts[t] = counts.get(t, 0) + 1
+    return counts
 
 
 def _staleness_events(snap: ClusterSnapshot, state: CycleState, cfg: CycleConfig):

@@ -93,7 +93,7 @@ def plan_repack(view: WorkingView, cfg: RepackConfig, ps_version: int) -> list:
                                            max_slowdown=cfg.max_slowdown or 0.0):
             src, dst = int(rids[s]), int(rids[d])
             idx = view.members(src)
-            if idx.size == 0:
+            if idx.size == 0 or view.pinned[idx].any():   # moved as often as a step allows
                 continue
             cmds.append(Migrate(src, dst, tuple(view.tid[idx].tolist()), reason="repack"))
             # Laminar moves the KV footprint with the trajectories (CanFit adds C_used);

@@ -155,6 +155,9 @@ class WorkingView:
         self._starts = np.searchsorted(key[self._order], np.arange(self.R + 1))
         self._arrived: dict[int, list[int]] = {}
         self.touched = np.zeros(self.R, bool)  # interrupted or pulled in this cycle
+        # Moved as often as a step allows (RoutingConfig.moves_per_step): no rule that
+        # moves work takes these (set by the cycle).
+        self.pinned = np.zeros(self.tid.shape, bool)
 
     def members(self, r: int) -> np.ndarray:
         """Indices of the trajectories on rollout r now."""
@@ -466,18 +469,26 @@ def plan_migration(view: WorkingView, cfg: RoutingConfig, staleness: StalenessSt
     # Case 1: more than φ_wait waiting. Gap (digest gap 7): the paper does not say which
     # waiting trajectories leave; we move the shortest contexts, the cheapest to
     # re-prefill elsewhere (OrchestrRL's short-context-first rule, seed 003 §4.2).
+    # Gap (ours, as Case 2's below): Alg. 5 returns them to the TS for re-routing, and
+    # under KV pressure routing sends them straight back to the queue they left (with
+    # "fewest" routing, every cycle: 650 interrupts per trajectory in 3 steps of a 64-GPU
+    # simulation). A waiting trajectory gains only by running elsewhere, so only those
+    # that routing, on this snapshot, would start at once on another rollout leave.
     over = view.n_wait > cfg.phi_wait
     if over.any():
-        w = np.flatnonzero(view.waiting & (view.inst >= 0))
+        w = np.flatnonzero(view.waiting & (view.inst >= 0) & ~view.pinned)
         w = w[over[view.inst[w]]]
         w = w[np.lexsort((view.tid[w], view.length[w], view.inst[w]))]
         inst_w = view.inst[w]
         first = np.flatnonzero(np.r_[True, inst_w[1:] != inst_w[:-1]])
         rank = np.arange(len(w)) - np.repeat(first, np.diff(np.r_[first, len(w)]))
         out = w[rank < (view.n_wait[inst_w] - cfg.phi_wait)]
+        out = _placed_elsewhere(view, out, cfg, staleness, empties, running=True)
+        out = out[np.lexsort((view.tid[out], view.length[out], view.inst[out]))]
         inst_out = view.inst[out]
         cut = np.flatnonzero(np.r_[True, inst_out[1:] != inst_out[:-1]])
-        for r, part in zip(inst_out[cut].tolist(), np.split(out, cut[1:])):
+        for r, part in zip(inst_out[cut].tolist() if out.size else [],
+                           np.split(out, cut[1:])):
             cmds.append(Interrupt(r, tuple(view.tid[part].tolist())))
         view.to_ts(out)
         view.touched[inst_out] = True
@@ -491,7 +502,8 @@ def plan_migration(view: WorkingView, cfg: RoutingConfig, staleness: StalenessSt
         t_busy = np.where(busy, t, np.inf)
         r_max = int(np.argmax(np.where(busy, t, -np.inf)))
         if t[r_max] > cfg.phi_throughput * t_busy.min():
-            idx = _redistributed(view, r_max, cfg, staleness, empties)
+            idx = view.members(r_max)
+            idx = _placed_elsewhere(view, idx[~view.pinned[idx]], cfg, staleness, empties)
             if idx.size:
                 cmds.append(Interrupt(r_max, tuple(view.tid[idx].tolist())))
                 view.to_ts(idx)
@@ -499,9 +511,13 @@ def plan_migration(view: WorkingView, cfg: RoutingConfig, staleness: StalenessSt
     return cmds
 
 
-def _redistributed(view: WorkingView, r: int, cfg: RoutingConfig, staleness: StalenessState,
-                   empties: Sequence[int]) -> np.ndarray:
-    """Which of rollout r's trajectories Case 2 moves: those routing would place elsewhere.
+def _placed_elsewhere(view: WorkingView, idx: np.ndarray, cfg: RoutingConfig,
+                      staleness: StalenessState, empties: Sequence[int], *,
+                      running: bool = False) -> np.ndarray:
+    """Which of `idx` a migration moves: those routing would place on a rollout other
+    than their own (with `running`, only where they start at once: Case 1).
+
+    Case 2 (the fastest rollout's trajectories `idx`):
 
     Gap (digest gap 6, and the paper's missing cool-down): Alg. 5 returns all of r's
     trajectories to the TS "for redistribution by the routing strategy". The fastest
@@ -513,22 +529,27 @@ def _redistributed(view: WorkingView, r: int, cfg: RoutingConfig, staleness: Sta
     keep the paper's trigger and move only what redistribution would actually move: we
     route tentatively with r emptied, as Alg. 4 routes tentatively before a sync, and
     interrupt only r's trajectories that land on another rollout. Ones routed back to r,
-    or withheld, stay where they are, decoding. No state (cool-down) is needed: a
-    trajectory moves only when routing, on this very snapshot, would place it elsewhere,
-    so a cycle repeated on its own result moves nothing back."""
-    idx = view.members(r)
+    or withheld, stay where they are, decoding. No cool-down is needed: a trajectory
+    moves only when routing, on this very snapshot, would place it elsewhere, so a cycle
+    repeated on its own result moves nothing back (what a changing cluster could still do
+    across cycles is bounded per step by RoutingConfig.moves_per_step)."""
     # Those that stay change the routing of those that leave (loads, ties), so repeat on
     # the smaller set until routing places every one elsewhere: the set only shrinks,
     # and the cycle's own routing, on the same view, then makes the same placements
     # (unless repack or balancing, which run in between, change the view first).
     while idx.size:
+        origin = view.inst[idx]
         probe = view.fork()
         probe.to_ts(idx)
         plan = route(probe, staleness, list(empties), cfg.mu,
                      gain_resolution=cfg.gain_resolution, max_routes=cfg.max_routes,
                      policy=cfg.policy)
-        away = [np.asarray(i, np.int64) for dst, i in plan.routes.items() if dst != r]
-        keep = np.isin(idx, np.concatenate(away)) if away else np.zeros(idx.size, bool)
+        dest = np.full(view.tid.shape, -1, np.int64)
+        for dst, placed in plan.routes.items():
+            placed = np.asarray(placed, np.int64)
+            ok = ~np.asarray(plan.waits[dst], bool) if running else np.ones(placed.size, bool)
+            dest[placed[ok]] = dst
+        keep = (dest[idx] >= 0) & (dest[idx] != origin)
         if keep.all():
             break
         idx = idx[keep]

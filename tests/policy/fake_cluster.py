@@ -14,6 +14,7 @@ import numpy as np
 
 from fnrl.policy import staleness as st
 from fnrl.policy.cycle import CycleConfig, decide_cycle, init_cycle_state
+from fnrl.policy.schedule import ScheduleState, reconcile
 from fnrl.types import (Abort, ClusterSnapshot, Consume, DropGroups, FillPrompts, Interrupt, Migrate, Pull,
                         Route)
 
@@ -85,7 +86,16 @@ class FakeCluster:
     # --- the loop --------------------------------------------------------------------
 
     def cycle(self, *, lag: bool = False) -> tuple:
-        self.state, cmds = decide_cycle(self.snapshot(), self.state, self.cfg)
+        snap = self.snapshot()
+        if not self.held:
+            # As the loop does (fnrl.control.loop, fnrl.sim.cluster): once every command
+            # has landed, a speculative state that disagrees with what is observed is
+            # reset to it (an abort that lands after its trajectory finished leaves one).
+            # While commands are held, the disagreement is theirs: the cycle waits.
+            self.state = reconcile(ScheduleState(cycle=self.state, consumed=0,
+                                                 next_eval_version=0),
+                                   snap, pulls_in_flight=False)[0].cycle
+        self.state, cmds = decide_cycle(snap, self.state, self.cfg)
         for c in cmds:
             # Controller-local commands act at once; rollout commands may lag.
             local = isinstance(c, (Consume, FillPrompts, DropGroups)) or (isinstance(c, Abort)
@@ -134,6 +144,11 @@ class FakeCluster:
         elif isinstance(c, Abort):
             for tid in c.tids:
                 t = self.trajs[tid]
+                if t.where == "done" and t.gid in self.dropped_all:
+                    # It finished while the abort was on its way: its group is dropped,
+                    # so the data path discards it (an abort that lands late is harmless).
+                    t.where = "aborted"
+                    continue
                 want = "ts" if c.rid is None else c.rid
                 got = t.where if t.where == "ts" else t.where[1]
                 assert got == want, (c, t.where)

@@ -15,7 +15,7 @@ from hypothesis import example, given, settings, strategies as hst
 from fnrl.config import BalanceConfig, CostModel, RepackConfig, RoutingConfig
 from fnrl.policy import staleness as st
 from fnrl.policy.cycle import CycleConfig, decide_cycle, decide_cycle_traced, init_cycle_state
-from fnrl.types import Consume, FillPrompts, Interrupt, Pull, Route
+from fnrl.types import Consume, FillPrompts, Interrupt, Migrate, Pull, Route
 
 from tests.policy.fake_cluster import FakeCluster
 
@@ -212,4 +212,48 @@ def test_migration_never_moves_a_trajectory_back_or_twice_without_progress(R, G,
             just_moved.clear()
         elif kind == "train":
             fc.finish_training()
+        fc.check()
+
+
+@settings(max_examples=80, deadline=None)
+@given(R=hst.integers(2, 4), G=hst.integers(2, 4), evs=events, seed=hst.integers(0, 2**16),
+       policy=hst.sampled_from(["waterfall", "fewest"]), kv=hst.sampled_from([6.0, 12.0]),
+       extras=hst.sampled_from(["none", "repack", "balance"]))
+def test_under_kv_pressure_work_never_goes_back_and_moves_are_bounded_per_step(
+        R, G, evs, seed, policy, kv, extras):
+    """Every rule that moves work (migration's two cases, repack, balancing), on KV so
+    small that waiting queues form on every rollout, with either routing policy:
+    - no trajectory a migration interrupts is routed back, in the same cycle, to the
+      rollout it left (the thrash: with "fewest" routing, Case 1 sent every overflowing
+      trajectory straight back, every cycle);
+    - no trajectory is moved more than `moves_per_step` times while the trainer is at
+      one version, however many cycles pass (here up to 30 with nothing trained)."""
+    limit = 2
+    cfg = CycleConfig(staleness=st.StalenessConfig(eta=1, batch_size=2), cost=COST,
+                      routing=RoutingConfig(phi_wait=0, policy=policy, moves_per_step=limit),
+                      repack=RepackConfig(batch_bound=6, period_s=0.5) if extras == "repack"
+                      else None,
+                      balance=BalanceConfig(threshold=0.0) if extras == "balance" else None)
+    fc = FakeCluster(cfg, num_rollouts=R, group_size=G, kv_capacity=kv, seed=seed)
+    moves: dict[tuple[int, int], int] = {}
+    tail = [("cycle", 0)] + [("decode", r) for r in range(R)]
+    for kind, x in [(k, x) for k, x in evs if k not in ("land", "train")] + tail * 30:
+        if kind == "cycle":
+            cmds = fc.cycle()
+            version = fc.state.staleness.v_train
+            pulled = {c.rid for c in cmds if isinstance(c, Pull)}
+            routed = {(tid, c.rid) for c in cmds if isinstance(c, Route) for tid in c.tids}
+            for c in cmds:
+                if isinstance(c, Interrupt) and c.rid not in pulled:
+                    moved = [(tid, c.rid) for tid in c.tids]
+                elif isinstance(c, Migrate):
+                    moved = [(tid, c.src) for tid in c.tids]
+                else:
+                    continue
+                for tid, left in moved:
+                    assert (tid, left) not in routed, ("moved back", tid, left)
+                    moves[tid, version] = moves.get((tid, version), 0) + 1
+                    assert moves[tid, version] <= limit, ("moved too often", tid, version)
+        elif kind == "decode":
+            fc.decode(x % R)
         fc.check()
