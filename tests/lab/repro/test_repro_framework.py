@@ -51,3 +51,17 @@ def test_a_figure_outside_the_goal_says_no(setup):
 def test_an_unknown_setup_is_named():
     with pytest.raises(ValueError, match="no setup 'nope'"):
         repro.reproduce("nope")
+
+
+def test_a_gain_the_simulation_does_not_show_is_a_miss_however_close(monkeypatch):
+    """StaleFlow vs VeRL-Async: 0.98× where the paper has 1.17× is within ±20% in size
+    but says the other thing (no gain), so it is not a hit."""
+    s = Setup(paper="stub", setup="a paper's gain, simulated as none",
+              runs={"a": _stub({0: 98.0}, {0: 1.0}), "b": _stub({0: 100.0}, {0: 1.0})},
+              claims=(Claim(name="a/b", system="a", baseline="b", paper=1.17),))
+    monkeypatch.setitem(repro.SETUPS, "stub", lambda quick: s)
+    res = repro.reproduce("stub", seeds=(0,), log=lambda _: None)
+    (row,) = res.rows()
+    assert abs(row["error"]) <= row["tolerance"] and not row["same_direction"]
+    assert not row["within"]
+    assert "no (±20%, the other direction)" in res.table()
