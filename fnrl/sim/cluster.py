@@ -11,7 +11,6 @@ heap. Nothing about the policies is reimplemented here: the presets are
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import time
 from collections import Counter
@@ -27,8 +26,9 @@ from fnrl.sim.config import SimConfig
 from fnrl.sim.coordinator import plan_for
 from fnrl.sim.engine import (CLOCK_RESOLUTION_S, GONE, IN_TS, QUEUED, RUNNING, TOOL, Instance,
                              Trajectories)
-from fnrl.sim.layout import layout, steady_throughput, stream_schedule
+from fnrl.sim.layout import layout, stream_schedule
 from fnrl.sim.reconfig import replanner_for
+from fnrl.sim.summary import summarize
 from fnrl.sim.workload import group_lengths, tool_latency, turn_ends
 from fnrl.types import (Abort, ClusterSnapshot, Consume, DropGroups, Evaluate, FillPrompts,
                         Interrupt, Migrate, Pull, Reconfigure, Route)
@@ -51,9 +51,10 @@ class Simulation:
         self.plan = plan_for(cfg, self.lay.decode, table)
         self.eta = self.plan.cycle.staleness.eta
         self.trajs = Trajectories()
+        self.commands = costs.command_costs(table)   # None: commands cost nothing
         self.inst = [Instance(r, m.decode, self.trajs, kv_capacity=m.kv_capacity,
                               max_num_seqs=cfg.cluster.max_num_seqs,
-                              hold_kv=cfg.workload.tool_holds_kv)
+                              hold_kv=cfg.workload.tool_holds_kv, commands=self.commands)
                      for m in self.lay.modes for r in m.rids]
         # Rollout modes (ClusterSpec.rollout_modes): only the current mode's instances are up.
         self.mode = self.lay.modes[0]
@@ -317,6 +318,7 @@ class Simulation:
             self.fill(cmd.num_groups)
         elif isinstance(cmd, Route):
             assert self.up[cmd.rid], f"routed to rollout {cmd.rid}, which is down"
+            self._send(cmd.rid)
             for tid in cmd.tids:
                 assert tr.state[tid] == IN_TS, (tid, tr.state[tid])
                 if tr.routed_s[tid] < 0:
@@ -329,6 +331,7 @@ class Simulation:
         elif isinstance(cmd, Migrate):
             assert self.up[cmd.dst], f"migrated to rollout {cmd.dst}, which is down"
             self._leave(cmd.src, cmd.tids)
+            self._send(cmd.dst)
             for tid in cmd.tids:
                 self._continues(cmd.dst, tid)
                 self._place(cmd.dst, tid)
@@ -391,7 +394,14 @@ class Simulation:
         for tid in tids:
             assert self.trajs.inst[tid] == rid and self.trajs.state[tid] in (QUEUED, RUNNING, TOOL), tid
             inst.remove(tid)
+        inst.released(len(tids))
         self.dirty_inst.add(rid)
+
+    def _send(self, rid: int) -> None:
+        """Requests for rollout `rid` reach it after this cycle's decide and one RPC."""
+        if self.commands is not None:
+            inst = self.inst[rid]
+            inst.not_before = max(inst.not_before, self.now + self.commands.land_s)
 
     def _place(self, rid: int, tid: int) -> None:
         """Queues a placed trajectory, or parks it until its tool call returns."""
@@ -436,10 +446,14 @@ class Simulation:
             return
         self.book.counts["pulls"] += 1
         inst.advance(self.now)
+        # With command costs the load starts once the request has landed and the step in
+        # flight has ended (its streams closed), as the loop's pull waits for them.
+        landed = self.now if self.commands is None else max(
+            self.now + self.commands.land_s, inst.step_end)
         inst.begin_pull()
         inst.complete = 0
         # The version reaches this rollout's relay down the chain after the master has it.
-        start = max(self.now, self.published[v] + self.lay.relay_arrival_s[rid])
+        start = max(landed, self.published[v] + self.lay.relay_arrival_s[rid])
         self.pull_started[rid] = self.now
         self.push(start + self.pull_R[rid], PULL, rid, v)
         self.dirty_inst.add(rid)
@@ -551,47 +565,5 @@ class Simulation:
     # --- summary --------------------------------------------------------------------------
 
     def summary(self) -> dict:
-        b, wall = self.book, self.now
         self._count_generated()
-        train_wall = max(b.last_train_end_s, 1e-9)
-        # The steady step: between the first and the last step's end (a pipeline's first
-        # step also waits for its first batch).
-        ends = [t for v, t in sorted(self.published.items()) if v >= 1]
-        step_s = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else train_wall
-        # Shares of the rollout GPUs' time: with rollout_modes every mode's instances span
-        # the same GPUs (a mode that is down is not idle GPUs); otherwise per-rollout means.
-        gpus_R = len(self.lay.modes[0].rids) * self.lay.modes[0].tp
-
-        def idle(seconds) -> float:
-            busy = np.minimum(np.asarray(seconds) / max(wall, 1e-9), 1.0)
-            return float(1.0 - busy @ self.tp_R / gpus_R)
-        lat = self.trajs.latencies()
-        return {"preset": self.cfg.preset, "gpus": self.cfg.gpus, "steps": b.steps_done,
-                "train_wall_s": train_wall, "trained_tokens_per_s": b.trained_tokens / train_wall,
-                "trained_seq_tokens": self.seq_tokens,
-                "trained_seq_tokens_per_s": self.seq_tokens / train_wall,
-                "steady_seq_tokens_per_s": steady_throughput(self.step_records, self.cfg.warmup_steps),
-                "version": b.trainer_version, "trained_tokens": b.trained_tokens,
-                "step_s": step_s,
-                "generated_tokens": b.generated_tokens, "staleness_checked_tokens": b.checked_tokens,
-                "staleness_checked_max": b.max_staleness, "eta": self.eta,
-                **{k: b.counts[k] for k in report.COUNT_KEYS},
-                **report.utilization(b, self.inst, wall),
-                "rollout_idle_frac": idle([i.active_s for i in self.inst]),
-                "rollout_decode_idle_frac": idle([i.busy_s for i in self.inst]),
-                "preemptions": sum(i.preemptions for i in self.inst),
-                "engine_prefill_tokens": sum(i.prefill_tokens for i in self.inst),
-                "train_gpus": self.lay.train_gpus, "rollouts": self.lay.rollouts,
-                "rollout_gpus": gpus_R, "reconfigures": self.stats["reconfigures"],
-                "mode_tp": self.mode.tp,
-                "kv_capacity_tokens": self.lay.kv_capacity, "publish_s": self.lay.publish_s,
-                "pull_s": self.lay.pull_s, "cost_model": dataclasses.asdict(self.lay.decode.cost),
-                "trajectories": self.trajs.n, "tool_calls": self.stats["tool_calls"],
-                "traj_latency_mean_s": float(lat.mean()) if lat.size else 0.0,
-                "traj_latency_p50_s": float(np.median(lat)) if lat.size else 0.0,
-                "traj_latency_max_s": float(lat.max()) if lat.size else 0.0,
-                "sim_events": self.stats["events"], "sim_cycles": self.stats["cycles"],
-                "sim_decide_s": self.stats["decide_s"],
-                "sim_invalid_cycles": self.stats["invalid_cycles"],
-                "sim_decide_cpu_s": self.stats["decide_cpu_s"], "sim_cpu_s": self.stats["cpu_s"],
-                "sim_wall_s": self.stats["wall_s"]}
+        return summarize(self)

@@ -138,8 +138,48 @@ class DecodeCosts:
     are taken relative to that many."""
 
 
-def load_table(path: Path | None = None) -> dict:
-    return tomllib.loads((path or COSTS_FILE).read_text())
+def load_table(path: Path | None = None, *, user: str | Path | None = None) -> dict:
+    """The cost tables (`path`, by default the built-in costs.toml), with a user's own TOML
+    file merged over them: a [gpu.NAME], [model.NAME] or [decode.NAME] of a new name is
+    added and must be complete; one of a known name, and a [roofline]-like section, keeps
+    the fields the user's file leaves out. Every entry the user's file touches is checked
+    by building its spec, and a malformed one raises a ValueError naming the file and key."""
+    table = tomllib.loads((path or COSTS_FILE).read_text())
+    if user is None:
+        return table
+    try:
+        extra = tomllib.loads(Path(user).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"costs file {str(user)!r}: {err}") from None
+    # Named entries per kind, and the one-table sections, each with the spec that checks it.
+    named = {"gpu": GpuSpec, "model": ModelSpec, "decode": CostModel}
+    single = {"roofline": RooflineParams, "sync": SyncParams, "train": TrainParams,
+              "colocated": ColocatedParams, "tp_comm": TpCommParams}
+    for kind, entries in extra.items():
+        if kind not in table and kind not in named:
+            raise ValueError(f"costs file {str(user)!r}: unknown section [{kind}]; the sections "
+                             f"are {sorted(set(table) | set(named))}")
+        if not isinstance(entries, dict):
+            raise ValueError(f"costs file {str(user)!r}: {kind} must be a table, got {entries!r}")
+        base = table.setdefault(kind, {})
+        items = entries.items() if kind in named else [(None, entries)]
+        for name, fields in items:
+            key = kind if name is None else f'{kind}."{name}"'
+            if not isinstance(fields, dict):
+                raise ValueError(f"costs file {str(user)!r}: [{key}] must be a table of fields, "
+                                 f"got {fields!r}")
+            merged = {**(base if name is None else base.get(name, {})), **fields}
+            spec = named.get(kind) or single.get(kind)
+            try:
+                if spec is not None:
+                    spec(**merged)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"costs file {str(user)!r}: [{key}] is malformed: {err}") from None
+            if name is None:
+                table[kind] = merged
+            else:
+                base[name] = merged
+    return table
 
 
 def _named(table: dict, kind: str, name: str) -> dict:
@@ -394,3 +434,51 @@ def colocated_memory(model: ModelSpec, served: ModelSpec, gpu: GpuSpec, *, tp: i
     weights = served.weight_bytes / tp / gpu.pcie_bw if p.sleep_level == 1 else 0.0
     moved = p.offload_bytes_per_param * model.params / gpus / gpu.pcie_bw if offload else 0.0
     return engine, 2 * (weights + moved)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandCosts:
+    """What executing one command costs (costs.toml [commands], issue 38): the controller's
+    cycle and RPC before a command lands on an engine, and the engine's own work for it."""
+
+    decide_s: float = 8e-3
+    """The controller's decide a cycle: every command it issues lands after it."""
+    rpc_s: float = 5e-4
+    """One controller → engine request (Route, Migrate's destination, Pull)."""
+    admit_s: float = 1e-3
+    """An engine's work to admit one request, where the decode profile has no
+    `per_request_s` of its own."""
+    abort_s: float = 1e-4
+    """An engine's work to drop one request (Interrupt, Migrate's source, Abort): it
+    leaves the scheduler and its KV blocks are freed between two steps."""
+    block_tokens: int = 16
+    """KV block size: the prefix cache hits whole blocks only."""
+    lookup_s_per_block: float = 1e-6
+    """Hashing and looking up one block of a request's context on admission."""
+
+    def __post_init__(self):
+        for name in ("decide_s", "rpc_s", "admit_s", "abort_s", "lookup_s_per_block"):
+            check(getattr(self, name) >= 0, "CommandCosts", name, getattr(self, name), "must be >= 0")
+        positive(self, "block_tokens")
+
+    @property
+    def land_s(self) -> float:
+        """From a cycle's start until a command it issues reaches its engine."""
+        return self.decide_s + self.rpc_s
+
+
+def command_costs(table: dict | None = None) -> CommandCosts | None:
+    """The table's [commands]; None (commands cost nothing) when the table has none."""
+    table = load_table() if table is None else table
+    return CommandCosts(**table["commands"]) if "commands" in table else None
+
+
+def cached_prefill_tokens(ctx: int, hit: int, block_tokens: int) -> int:
+    """Tokens an admission prefills when `hit` tokens of its `ctx` are cached: the cache
+    serves whole blocks only, and a full hit still computes the last token (the request
+    needs its logits)."""
+    hit = min(hit - hit % block_tokens, ctx - 1)
+    return ctx - max(hit, 0)

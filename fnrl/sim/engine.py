@@ -17,6 +17,14 @@ the next completion and the step at which the KV cache would overflow.
   later allocations have used up the free space it left (LRU), and a weight load resets
   the cache (fnrl's servers call /reset_prefix_cache after every pull).
 - Pull: the engine stops generating until the new weights are loaded.
+- Commands cost engine time (`costs.CommandCosts`, when the table has [commands]): a
+  request that leaves (interrupt, migration's source, abort, preemption by a pull)
+  leaves the step in flight to finish with the batch it started with, its token in it
+  thrown away, and its removal (`abort_s`) delays the next step; an admission costs
+  its request (`admit_s`, unless the profile has `per_request_s`), the lookup of its
+  context's blocks, and a prefill of all but the cache's whole blocks (at least its
+  last token); a request reaching an idle engine starts one cycle's decide and one
+  RPC after the cycle (`not_before`).
 - Tool calls (multi-turn workloads, `WorkloadSpec.turns` > 1): at the end of each turn
   but the last the trajectory leaves the batch for its call (state TOOL, still placed
   here). It keeps its KV blocks (counted against capacity, not in the step's KV term)
@@ -38,7 +46,7 @@ from collections import deque
 import numpy as np
 
 from fnrl.sim import costs
-from fnrl.sim.costs import DecodeCosts
+from fnrl.sim.costs import CommandCosts, DecodeCosts
 from fnrl.sim.workload import turn_ends
 
 IN_TS, QUEUED, RUNNING, GONE, TOOL = 0, 1, 2, 3, 4   # Trajectories.state
@@ -108,11 +116,17 @@ class Instance:
     """One rollout engine (a TP group of GPUs)."""
 
     def __init__(self, rid: int, decode: DecodeCosts, trajs: Trajectories, *, kv_capacity: int,
-                 max_num_seqs: int, version: int = 0, hold_kv: bool = True):
+                 max_num_seqs: int, version: int = 0, hold_kv: bool = True,
+                 commands: CommandCosts | None = None):
         self.rid, self.trajs = rid, trajs
         self.decode = decode
         self.cost = decode.cost
-        self.prefill_s, self.request_s = decode.prefill_s_per_token, decode.per_request_s
+        self.commands = commands                 # None: commands cost the engine nothing
+        self.per_request_s = decode.per_request_s or (commands.admit_s if commands else 0.0)
+        self.prefill_s, self.request_s = decode.prefill_s_per_token, self.per_request_s
+        self.slowdown = 1.0
+        self.not_before = 0.0                    # the newest request sent here lands then
+        self.command_s = 0.0                     # engine seconds its commands took
         self.cap, self.max_num_seqs, self.version = float(kv_capacity), max_num_seqs, version
         self.step, self.t, self.n, self.kv = 0, 0.0, 0, 0.0
         self.running: dict[int, int] = {}       # tid -> finish step, in admission order
@@ -156,12 +170,18 @@ class Instance:
         self._step_end = self.t + costs.step_s(self.cost, self.kv, self.n) if self.t <= now \
             else self.t
 
+    @property
+    def step_end(self) -> float:
+        """When the step in flight ends (after `advance`; its anchor when none runs)."""
+        return self._step_end if self.n else self.t
+
     def set_slowdown(self, f: float) -> None:
         """Every decode step and prefill takes f times its cost from here on (cores shared
         with other roles). Call after `advance`; the caller reschedules the next event."""
         c, d = self.decode.cost, self.decode
         self.cost = dataclasses.replace(c, k1=c.k1 * f, k2=c.k2 * f, k3=c.k3 * f, k4=c.k4 * f)
-        self.prefill_s, self.request_s = d.prefill_s_per_token * f, d.per_request_s * f
+        self.prefill_s, self.request_s = d.prefill_s_per_token * f, self.per_request_s * f
+        self.slowdown = f
 
     def _take(self, m: int) -> None:
         dt = costs.decode_steps_s(self.cost, self.kv, self.n, m)
@@ -262,13 +282,32 @@ class Instance:
         self._release(tid)
         self.trajs.inst[tid], self.trajs.state[tid] = -1, IN_TS
 
+    def released(self, k: int) -> None:
+        """k requests just left (`remove`, after `advance`): with command costs, the step
+        in flight ends when it would have with them in it (the GPU work was issued;
+        their tokens in it are thrown away), and dropping them delays the next step."""
+        if self.commands is None or k == 0:
+            return
+        drop = self.commands.abort_s * k * self.slowdown
+        if self.n > 0:
+            start = max(self.t, self._step_end - costs.step_s(self.cost, self.kv, self.n))
+            self.command_s += start - self.t + drop
+            self.busy_s += start - self.t + drop
+            self.t = start + drop
+        else:
+            self._step_end = max(self._step_end, self.t) + drop
+            self.command_s += drop
+            self.busy_s += drop
+
     def admit(self, now: float) -> int:
         """Starts queued trajectories that fit (FCFS); returns the tokens prefilled."""
         if self.pulling:
             return 0
         tr, prefill = self.trajs, 0
         if self.n == 0:
-            self.t = max(self.t, now, self._step_end)
+            # An idle engine starts on a request once it has arrived (a busy one takes
+            # it at its next step's boundary, which the arrival mostly precedes).
+            self.t = max(self.t, now, self._step_end, self.not_before if self.queue else 0.0)
         # A step is in progress: newcomers join the batch at its end (vLLM schedules a
         # step's batch before running it). Their KV is counted one token short, which
         # the step's growth (n tokens, them included) makes up.
@@ -294,10 +333,17 @@ class Instance:
             if tid in self._cached:
                 tokens, alloc, free = self._cached.pop(tid)
                 hit = min(tokens, ctx) if self.alloc - alloc <= free else 0
+                if self.commands is not None:
+                    hit = ctx - costs.cached_prefill_tokens(ctx, hit, self.commands.block_tokens)
             self.cache_hit_tokens += hit
             self.alloc += ctx - hit
             prefill += ctx - hit
             dt = self.prefill_s * (ctx - hit) + self.request_s
+            if self.commands is not None:
+                c = self.commands
+                lookup = c.lookup_s_per_block * -(-ctx // c.block_tokens) * self.slowdown
+                dt += lookup
+                self.command_s += lookup + self.request_s
             self.t += dt
             self.busy_s += dt
         self.prefill_tokens += prefill
