@@ -154,7 +154,7 @@ def load_table(path: Path | None = None, *, user: str | Path | None = None) -> d
     # Named entries per kind, and the one-table sections, each with the spec that checks it.
     named = {"gpu": GpuSpec, "model": ModelSpec, "decode": CostModel}
     single = {"roofline": RooflineParams, "sync": SyncParams, "train": TrainParams,
-              "colocated": ColocatedParams, "tp_comm": TpCommParams}
+              "colocated": ColocatedParams, "tp_comm": TpCommParams, "commands": CommandCosts}
     for kind, entries in extra.items():
         if kind not in table and kind not in named:
             raise ValueError(f"costs file {str(user)!r}: unknown section [{kind}]; the sections "
@@ -170,6 +170,11 @@ def load_table(path: Path | None = None, *, user: str | Path | None = None) -> d
                                  f"got {fields!r}")
             merged = {**(base if name is None else base.get(name, {})), **fields}
             spec = named.get(kind) or single.get(kind)
+            # Every spec's field is a number or a flag; a spec's own checks may not say which.
+            wrong = [f for f, v in fields.items() if not isinstance(v, (int, float))]
+            if spec is not None and wrong:
+                raise ValueError(f"costs file {str(user)!r}: [{key}] {wrong[0]} = "
+                                 f"{fields[wrong[0]]!r} must be a number")
             try:
                 if spec is not None:
                     spec(**merged)

@@ -1,7 +1,7 @@
 """A simulated run's directory, written like the real job's: config.json, metrics.jsonl
 (one `train` record per step with fnrl.control.report's keys), summary.json,
 timeline.json and sim.png (throughput, idle share per role, staleness histogram, a few
-rollouts over time)."""
+rollouts over time); with a cost table given (a user's costs file merged in), costs.json."""
 
 from __future__ import annotations
 
@@ -20,15 +20,19 @@ def run_dir_for(cfg: SimConfig) -> Path:
     return Path(cfg.out or f"runs/sim-{cfg.preset}-{cfg.gpus}")
 
 
-def simulate(cfg: SimConfig, run_dir: Path | None = None) -> dict:
-    """Runs `cfg` and writes its run directory; returns the summary."""
+def simulate(cfg: SimConfig, run_dir: Path | None = None, *, table: dict | None = None) -> dict:
+    """Runs `cfg` (over `table`, by default the built-in costs.toml) and writes its run
+    directory; returns the summary."""
     run_dir = run_dir or run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    if table is not None:
+        # The costs the run used, so that it re-runs without the user's file.
+        (run_dir / "costs.json").write_text(json.dumps(table, indent=1))
     writer = MetricsWriter(run_dir)
     try:
-        sim = Simulation(cfg, writer=writer)
+        sim = Simulation(cfg, writer=writer, table=table)
         summary = sim.run()
     finally:
         writer.close()

@@ -119,3 +119,39 @@ def tool_latency(spec: WorkloadSpec, seed: int, tid: int, call: int) -> float:
         return spec.tool_latency_s
     z = np.random.default_rng([seed, tid, call, 7]).standard_normal()
     return float(spec.tool_latency_s * np.exp(spec.tool_latency_sigma * z))
+
+
+# Named workloads for a what-if (`python -m fnrl.sim --workload-preset NAME`; any field
+# still set by its flag). Lengths are in tokens. The figures are stated assumptions or
+# taken from the source named beside them; none is a measurement of ours.
+WORKLOAD_PRESETS: dict[str, WorkloadSpec] = {
+    # Short chain-of-thought answers to grade-school maths. verl's GRPO GSM8K example
+    # (examples/grpo_trainer/run_qwen2-7b.sh) caps prompts at 512 and responses at 1,024
+    # tokens with 5 samples a prompt; a median answer of ~300 tokens with a narrow spread
+    # (σ = 0.5) is assumed, 256 groups of 8 a step assumed.
+    "gsm8k": WorkloadSpec(groups_per_step=256, group_size=8, prompt_len=256, len_median=300,
+                          len_sigma=0.5, len_max=1024),
+    # Long reasoning with heavy tails: DAPO's setup (Yu et al. 2025, §4: 512 prompts of 16
+    # responses, at most 20,480 response tokens) at a quarter of its batch; the median
+    # (4K, σ = 1) is the seeds' (StaleFlow Fig. 4, Laminar Fig. 17), groups half-correlated
+    # (StaleFlow App. C: groups are all-long or all-short; 0.5 assumed), and lengths
+    # growing by half over the run (every seed's lengths rise; 0.5 assumed).
+    "math-long": WorkloadSpec(groups_per_step=128, group_size=16, prompt_len=1024,
+                              len_median=4096, len_sigma=1.0, len_max=20480, group_corr=0.5,
+                              len_growth=0.5),
+    # Multi-turn tool use (agentic): all assumed. A long prompt (system prompt and tool
+    # schemas, 2K), 4 decode turns of ~256 tokens each with a tool call between two turns
+    # (median 2 s, lognormal σ = 1: a sandboxed command or a web request), each call
+    # appending 512 observation tokens, KV held during the call.
+    "agentic": WorkloadSpec(groups_per_step=64, group_size=8, prompt_len=2048,
+                            len_median=1024, len_sigma=0.7, len_max=8192, turns=4,
+                            tool_latency_s=2.0, tool_latency_sigma=1.0, tool_tokens=512),
+}
+
+
+def workload_preset(name: str) -> WorkloadSpec:
+    """The named workload of WORKLOAD_PRESETS."""
+    if name not in WORKLOAD_PRESETS:
+        raise ValueError(f"invalid config workload_preset={name!r}: must be one of "
+                         f"{sorted(WORKLOAD_PRESETS)}")
+    return WORKLOAD_PRESETS[name]
