@@ -72,7 +72,10 @@ def test_a_stop_signal_acts_while_the_job_waits_for_its_cluster(tmp_path, sig, c
     proc = subprocess.Popen(
         [sys.executable, "-m", "fnrl.experiments.math_grpo",
          *_job(tmp_path, "--cluster.ray-address", dead, "--cluster.connect-timeout-s", "600")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        # As a job started at a terminal: a background test run inherits SIGINT ignored,
+        # and Python keeps an ignored SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()   # said before it waits
         assert line.startswith(f"fnrl: waiting for the Ray cluster at {dead}"), line

@@ -41,27 +41,32 @@ def test_short_profile_writes_a_fit_and_its_heldout_figures(tiny_model_dir, tmp_
     assert path == out and cfg.coord.cost == cost and cfg.coord.cost_file == str(out)
 
 
-def test_recorded_batches_on_two_servers(tiny_model_dir, tmp_path):
+def test_recorded_batches_on_two_servers(char_tokenizer_dir, tmp_path):
     """--batches-from on two servers side by side: a run directory's groups, dealt group
     by group, each server timed on its own batch; the file says it was two servers', and
     the simulator reads it so (fnrl.sim.costs.load_profiled)."""
+    from fnrl.models.synthetic import write_checkpoint
     from fnrl.sim.costs import load_profiled
 
+    # The tiny model with 256 positions, so responses run to 200 tokens: with the 32 of
+    # `tiny_model_dir` they ran to 26 (0.07-0.15 s a batch), and beside other jobs the
+    # fit put every second on the per-request overhead and refused, rightly (twice in
+    # full-suite runs, with three repeats of each batch too).
+    model_dir = write_checkpoint(tmp_path / "model", "qwen2", seed=0,
+                                 tokenizer_dir=char_tokenizer_dir, vocab_multiple=16,
+                                 rope_theta=10000.0, max_position_embeddings=256)
     rng = np.random.default_rng(0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    # 2-26 generated tokens (the tiny model has 32 positions) and each batch timed three
-    # times: once each, 6-26 tokens took 0.07-0.15 s, and on a busy machine one CI run's
-    # fit put every second on the per-request overhead and refused, rightly.
     groups = [{"trajectories": [{"prompt_ids": prompt, "token_ids": [[5] * int(n)],
                                  "segments": [[0, int(n)]]}
-                                for n in rng.integers(2, 27, size=2)]}
+                                for n in rng.integers(40, 201, size=2)]}
               for prompt in rng.integers(3, 60, size=(16, 6)).tolist()]
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
     out = tmp_path / "served.json"
-    record = main(ProfileArgs(model_dir=str(tiny_model_dir), out=str(out), servers=2,
-                              batches_from=(str(run_dir),), batch_groups=2, repeats=3,
-                              max_num_seqs=8, max_context=64))
+    record = main(ProfileArgs(model_dir=str(model_dir), out=str(out), servers=2,
+                              batches_from=(str(run_dir),), batch_groups=2, repeats=2,
+                              max_num_seqs=8, max_context=256))
     assert record["engine"]["servers"] == 2 and len(record["runs"]) == 8
     for r in record["runs"]:
         assert len(r["servers"]) == 2 and all(len(w) == 2 and min(w) > 0 for w in r["wall_s"])

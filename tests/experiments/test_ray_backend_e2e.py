@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +70,7 @@ def test_roles_run_where_placed_and_a_hung_node_moves_its_rollout_losing_nothing
     of the chain, the rollout is restarted on a surviving node, and the run finishes
     with every group consumed once."""
     run_dir = tmp_path / "run"
-    window = 10
+    window = 15   # a healthy host answers within 0.5 s; margin for a busy machine
     proc = subprocess.run(
         [sys.executable, "-m", "fnrl.experiments.ray_local", "--nodes", "a,b,c",
          "--hang-node", "c", "--hang-after-step", "2", "--hang-s", "600", "--",
@@ -140,7 +139,8 @@ def test_roles_run_where_placed_and_a_hung_node_moves_its_rollout_losing_nothing
     timeline = [r for r in json.loads((run_dir / "timeline.json").read_text())
                 if "tokens" in r and hung_at - start < r["t"] <= hung_at - start + window]
     times = [r["t"] for r in timeline]
-    assert times[-1] - times[0] > window * 0.8 and max(np.diff(times)) < 2.0, times
+    # (A frozen loop samples nothing until the node is lost: one gap of the window.)
+    assert len(times) >= 5 and max(np.diff(times)) < window / 2, times
     rate = (timeline[-1]["tokens"][0] - timeline[0]["tokens"][0]) / (times[-1] - times[0])
     assert rate > 0, timeline
 
@@ -178,9 +178,8 @@ def test_losing_the_trainers_node_then_the_head_stops_cleanly_and_a_rerun_resume
          "--trainer-node", "b", "--lose-node", "b", "--lose-after-step", "2",
          "--kill-head-after-step", "4", "--", *job],
         capture_output=True, text=True, timeout=1200)
-    ended = time.time()
     assert proc.returncode == 6, proc.stdout[-3000:] + proc.stderr[-3000:]
-    killed_at = float(re.search(r"GCS killed after step 4 at epoch (\S+)", proc.stdout).group(1))
+    assert "GCS killed after step 4" in proc.stdout
     roles = json.loads((run_dir / "roles.json").read_text())
     assert roles["relay0"]["node"] == "b" and roles["trainer"]["node"] in ("a", "c")
     events = read_jsonl(run_dir / "faults.jsonl")
@@ -198,9 +197,9 @@ def test_losing_the_trainers_node_then_the_head_stops_cleanly_and_a_rerun_resume
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["cluster_lost"] == lost["reason"]
     assert "fnrl: stopped: the Ray cluster's head" in proc.stderr
-    # Stopped by fnrl, cluster removed included, before Ray's own exit ("Failed to
-    # connect to GCS within 60 seconds").
-    assert "Failed to connect to GCS" not in proc.stderr and ended - killed_at < 60
+    # Stopped by fnrl, before Ray's own exit 60 s after the loss ("Failed to connect to
+    # GCS within 60 seconds... The program will terminate"), which would end it with 1.
+    assert "Failed to connect to GCS" not in proc.stderr
     temp_dir = re.search(r"Ray's files in (\S+)", proc.stdout).group(1)
     assert not _ours_left(temp_dir) and not Path(temp_dir).exists()
 
