@@ -302,6 +302,10 @@ class Supervisor:
                 metrics = await asyncio.wait_for(state.handle.metrics(), 2 * HEARTBEAT_S)
             except (ServerError, asyncio.TimeoutError):
                 return
+            except RuntimeError as err:   # the job is ending: its HTTP session closed first
+                if "Session is closed" not in str(err):
+                    raise
+                return
             state.waiting = int(metrics["vllm:num_requests_waiting"])
             self.watches[state.handle.name].last_heartbeat_s = self.svc.now()
 
