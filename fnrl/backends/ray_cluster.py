@@ -36,7 +36,6 @@ import concurrent.futures
 import dataclasses
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -52,7 +51,7 @@ from fnrl.backends.memory import MemoryPlan, check_plan_per_machine
 from fnrl.serving.server import ServerSpec, launch_server, read_host_memory
 from fnrl.shell import auth, procs
 from fnrl.shell.hosted import HostedProcess
-from fnrl.shell.net import free_port
+from fnrl.shell.net import connect_error, free_port
 from fnrl.shell.wire import ClusterLost, NodeLost
 
 # Ray ends a driver that cannot reach its cluster's head (the GCS) for
@@ -337,15 +336,6 @@ def _host_port(address: str, where: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
-    """None when a TCP connection to host:port opens within `timeout_s`, else why not."""
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return None
-    except OSError as err:
-        return err
-
-
 def reachable_address(cfg: ClusterConfig) -> str:
     """`find_address`'s address once its head answers (a TCP connection to its port),
     within `cfg.connect_timeout_s`; else ValueError naming the address, where it came
@@ -355,7 +345,7 @@ def reachable_address(cfg: ClusterConfig) -> str:
     host, port = _host_port(address, where)
     deadline = time.monotonic() + cfg.connect_timeout_s
     tries = 0
-    while (err := _connect_error(host, port, min(2.0, cfg.connect_timeout_s))) is not None:
+    while (err := connect_error(host, port, min(2.0, cfg.connect_timeout_s))) is not None:
         if not tries:
             print(f"fnrl: waiting for the Ray cluster at {address} (from {where}) to answer, "
                   f"up to {cfg.connect_timeout_s:g} s: {err}", flush=True)
@@ -452,7 +442,7 @@ class RayLauncher:
         host, port = _host_port(gcs_address, "Ray")
         answered = time.monotonic()
         while not self._closed.wait(1.0):
-            err = _connect_error(host, port, timeout_s=2.0)
+            err = connect_error(host, port, timeout_s=2.0)
             if err is None:
                 answered = time.monotonic()
             elif time.monotonic() - answered >= GCS_LOST_S:

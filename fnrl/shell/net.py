@@ -61,6 +61,15 @@ def port_taken(log_path: str | Path, since: int = 0) -> bool:
         return False
 
 
+def connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """None when a TCP connection to host:port opens within `timeout_s`, else why not."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return None
+    except OSError as err:
+        return err
+
+
 def listens_on(pid: int, port: int) -> bool | None:
     """Whether process `pid` holds a TCP socket listening on `port` (in its own network
     namespace); None where /proc cannot tell (not Linux, or the process is gone). A
