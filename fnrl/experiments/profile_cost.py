@@ -33,7 +33,8 @@ import numpy as np
 from fnrl.config import CostModel, ModelConfig, TaskConfig, WarmStartConfig
 from fnrl.control.metrics import generated_length, read_jsonl
 from fnrl.experiments.warm_start import ensure_default_model
-from fnrl.policy.cost_model import Measurement, fit_cost_model, fit_quality
+from fnrl.policy.cost_model import (Measurement, fit_cost_model, fit_quality,
+                                    stored_cost_model)
 from fnrl.serving.client import RolloutClient
 from fnrl.serving.server import ServerSpec, launch_server, serve, stop_server
 from fnrl.shell.files import write_atomic
@@ -44,11 +45,7 @@ COST_FILE_NAME = "cost_model.json"
 
 def load_cost_model(path: str | Path) -> CostModel:
     """The CostModel stored by this command (or any JSON with k1..k5)."""
-    data = json.loads(Path(path).read_text())
-    try:
-        return CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
-    except KeyError as err:
-        raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
+    return stored_cost_model(json.loads(Path(path).read_text()), path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,20 +278,25 @@ def profile(args: ProfileArgs, model_dir: Path) -> dict:
     measured = median_runs(runs, order, walls)
     fit_runs = [m for m, heldout in measured if not heldout]
     held = [m for m, heldout in measured if heldout]
-    fit = fit_cost_model(fit_runs, max_batch=max(len(s.lengths) for r in runs for s in r))
+    try:
+        fit = fit_cost_model(fit_runs, max_batch=max(len(s.lengths) for r in runs for s in r))
+    except ValueError as err:   # noise the fit cannot see through: keep what was measured
+        fit, fitted = None, {"fit": None, "heldout": None, "fit_error": str(err)}
+    else:
+        fitted = {**asdict(fit.cost),
+                  "crossover": fit.crossover,
+                  "overhead_s": fit.overhead_s,
+                  "per_request_s": fit.per_request_s,
+                  "prefill_s_per_token": fit.prefill_s_per_token,
+                  "fit": fit_quality(fit, fit_runs),
+                  "heldout": fit_quality(fit, held) if held else None}
     by_run = _group(order, walls)
     spread = [np.ptp(w) / np.median(w) for ws in by_run.values() if len(ws) > 1
               for w in np.array(ws).T]
     import vllm
 
     return {
-        **asdict(fit.cost),
-        "crossover": fit.crossover,
-        "overhead_s": fit.overhead_s,
-        "per_request_s": fit.per_request_s,
-        "prefill_s_per_token": fit.prefill_s_per_token,
-        "fit": fit_quality(fit, fit_runs),
-        "heldout": fit_quality(fit, held) if held else None,
+        **fitted,
         # How much repeats of one batch differ, (max - min) / median: the noise floor.
         "repeat_spread_median": float(np.median(spread)) if spread else None,
         "engine": {"vllm": vllm.__version__, "model_dir": str(model_dir),
@@ -351,8 +353,24 @@ def main(args: ProfileArgs) -> dict:
     record = profile(args, model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(record, indent=1))  # a reader never sees half a file
+    if record.get("fit_error"):
+        spread = record["repeat_spread_median"]
+        raise UnfittedProfile(f"{record['fit_error']}; the {len(record['runs'])} measured "
+                              f"runs are kept in {out}" + (f" (repeats of one batch differ "
+                              f"by {spread:.0%}, median)" if spread is not None else ""),
+                              record)
     print(f"{summary_line(record)}\n-> {out}")
     return record
+
+
+class UnfittedProfile(ValueError):
+    """The servers were measured but no cost model fits the measurements (too noisy, or
+    responses too short to separate the per-step cost): the record, fit left out, is
+    written all the same, so the minutes of measuring are not lost."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
 
 
 if __name__ == "__main__":

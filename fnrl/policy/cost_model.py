@@ -150,6 +150,19 @@ def fit_cost_model(runs: list[Measurement], *, max_batch: int | None = None) -> 
                       prefill_s_per_token=float(c_pre))
 
 
+def stored_cost_model(data: dict, path) -> CostModel:
+    """The CostModel of a cost file's JSON (`python -m fnrl.experiments.profile_cost`
+    writes them; any JSON with k1..k5 is one); a profile whose fit was refused has its
+    measurements but no model, and says why."""
+    if data.get("fit_error"):
+        raise ValueError(f"cost file {str(path)!r} holds measurements but no fit: "
+                         f"{data['fit_error']}")
+    try:
+        return CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
+    except KeyError as err:
+        raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
+
+
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient ≥ 0 (latencies cannot be negative): refit
     without the columns that came out negative until none does (an active-set loop;

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fnrl.config import CostModel
 from fnrl.config.base import check, positive
+from fnrl.policy.cost_model import stored_cost_model
 
 COSTS_FILE = Path(__file__).with_name("costs.toml")
 
@@ -210,10 +211,7 @@ def load_profiled(path: str | Path) -> DecodeCosts:
     """The JSON `python -m fnrl.experiments.profile_cost` writes (k1..k5, and the
     prefill and per-request terms it fits beside them when present)."""
     data = json.loads(Path(path).read_text())
-    try:
-        cost = CostModel(**{k: float(data[k]) for k in ("k1", "k2", "k3", "k4", "k5")})
-    except KeyError as err:
-        raise ValueError(f"cost file {str(path)!r} lacks coefficient {err}") from None
+    cost = stored_cost_model(data, path)
     servers = data.get("engine", {}).get("servers", 1)
     if type(servers) is not int or servers < 1:
         raise ValueError(f"cost file {str(path)!r}: engine.servers={servers!r} must be an "

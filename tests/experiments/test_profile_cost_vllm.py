@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fnrl.config import CoordinatorConfig, RunConfig
-from fnrl.experiments.profile_cost import ProfileArgs, load_cost_model, main
+from fnrl.experiments.profile_cost import ProfileArgs, UnfittedProfile, load_cost_model, main
 
 from lab.benchmarks.profile_cost import heldout_quality
 
@@ -64,13 +64,24 @@ def test_recorded_batches_on_two_servers(char_tokenizer_dir, tmp_path):
               for prompt in rng.integers(3, 60, size=(16, 6)).tolist()]
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(g) + "\n" for g in groups))
     out = tmp_path / "served.json"
-    record = main(ProfileArgs(model_dir=str(model_dir), out=str(out), servers=2,
-                              batches_from=(str(run_dir),), batch_groups=2, repeats=2,
-                              max_num_seqs=8, max_context=256))
+    args = ProfileArgs(model_dir=str(model_dir), out=str(out), servers=2,
+                       batches_from=(str(run_dir),), batch_groups=2, repeats=2,
+                       max_num_seqs=8, max_context=256)
+    try:
+        record = main(args)
+    except UnfittedProfile as err:
+        # Two servers timed side by side on two cores beside other jobs can be too noisy
+        # to fit (CI once: a 100-token batch as slow as a 350-token one). The refusal
+        # must keep the measurements, and the simulator must refuse the file by name.
+        record = json.loads(out.read_text())
+        assert str(out) in str(err) and record == err.record and record["fit"] is None
+        with pytest.raises(ValueError, match="holds measurements but no fit: no fit of these"):
+            load_profiled(out)
+    else:
+        assert (record["fit"]["runs"], record["heldout"]["runs"]) == (12, 4)
+        assert load_profiled(out).servers == 2
     assert record["engine"]["servers"] == 2 and len(record["runs"]) == 8
     for r in record["runs"]:
         assert len(r["servers"]) == 2 and all(len(w) == 2 and min(w) > 0 for w in r["wall_s"])
     assert [list(s["lengths"]) for s in record["runs"][0]["servers"]] == [
         [len(t["token_ids"][0]) for t in groups[k]["trajectories"]] for k in (0, 1)]
-    assert (record["fit"]["runs"], record["heldout"]["runs"]) == (12, 4)
-    assert load_profiled(out).servers == 2

@@ -99,3 +99,16 @@ def test_a_fit_without_a_step_cost_is_named():
             for p, b in zip(rng.integers(4, 40, size=16), rng.integers(1, 9, size=16))]
     with pytest.raises(ValueError, match="no fit of these 16 runs has a per-step decode cost"):
         fit_cost_model(runs)
+
+
+def test_a_stored_profile_without_a_fit_is_refused_with_its_reason():
+    """profile_cost keeps its measurements when the fit refuses (`fit_error`); a reader of
+    that file gets the reason, not a missing-key error, and a fitted file reads back."""
+    from fnrl.policy.cost_model import stored_cost_model
+
+    with pytest.raises(ValueError, match="'p.json' holds measurements but no fit: too noisy"):
+        stored_cost_model({"fit": None, "fit_error": "too noisy", "runs": []}, "p.json")
+    with pytest.raises(ValueError, match="lacks coefficient 'k4'"):
+        stored_cost_model({"k1": 1, "k2": 1, "k3": 1, "k5": 1}, "p.json")
+    assert stored_cost_model({"k1": 1e-9, "k2": 1e-3, "k3": 1e-4, "k4": 2e-3, "k5": 1.0},
+                             "p.json") == CostModel(k1=1e-9, k2=1e-3, k3=1e-4, k4=2e-3, k5=1.0)
