@@ -1,4 +1,4 @@
-"""A decoder-only transformer in Flax NNX (Qwen2, Qwen2.5, Qwen3, Llama 3), numerically matching Hugging Face.
+"""A decoder-only transformer in Flax NNX (Qwen2, Qwen2.5, Qwen3, Qwen3-MoE, Llama 3), numerically matching Hugging Face.
 
 The module is a definition language only: build it once, split it with
 `graphdef, params = nnx.split(model)` and run `forward(graphdef, params, ...)`.
@@ -14,6 +14,7 @@ The module is a definition language only: build it once, split it with
                              'o_kernel': H×D×E},
                     'post_attn_norm': {'scale': E},
                     'mlp': {'gate_kernel': E×I, 'up_kernel': E×I, 'down_kernel': I×E}}},
+                    # qwen3_moe: 'moe' in place of 'mlp' (fnrl.models.moe)
      'final_norm': {'scale': E},
      'lm_head': E×V}                      # only when tie_word_embeddings is False
 
@@ -24,6 +25,11 @@ Dtypes: parameters are stored in `param_dtype` and cast to the compute `dtype` w
 they are used, so bfloat16 compute over float32 master weights needs no second copy.
 Norms, softmax and RoPE run in float32 whatever `dtype` is, and the vocab projection
 accumulates in float32.
+
+A mixture-of-experts model takes `routes_BxTxLxK` (every layer's K experts per token, as
+the inference engine chose them) to replay that routing, and reports its router
+statistics through `forward_with_router_stats` (fnrl.models.moe); a dense model refuses
+routes and reports zero statistics.
 """
 
 from __future__ import annotations
@@ -40,9 +46,12 @@ from fnrl.models.attention import (ATTENTION_OUT, KERNELS, attend, causal_mask,
 from fnrl.config.lora import LoraConfig
 from fnrl.models.families import FAMILIES, DecoderConfig, Llama3RopeScaling
 from fnrl.models.lora import adapter_a_init, lora_delta
+from fnrl.models.moe import EXPERT_OUTS, MoeBlock, reduce_layer_stats
 
 __all__ = ["ATTENTION_BLOCK", "FAMILIES", "Kernels", "REMAT_POLICIES", "remat_policy_name", "Decoder", "DecoderConfig", "Llama3RopeScaling", "abstract_model",
-           "forward", "hidden_states", "init_model", "logical_axes", "vocab_kernel_VxE"]
+           "forward", "forward_with_router_stats", "hidden_states",
+           "hidden_states_with_router_stats", "init_model", "logical_axes", "router_routes",
+           "vocab_kernel_VxE"]
 
 ATTENTION_BLOCK = 256
 """Query positions whose attention scores exist at once (per row and head): longer
@@ -54,12 +63,13 @@ REMAT_POLICIES = {
     # Keep only each layer's input; recompute the whole layer in the backward pass.
     "full": lambda: jax.checkpoint_policies.nothing_saveable,
     # Keep the outputs of the weight matmuls (q/k/v, o, gate/up, down: dots without
-    # batch dimensions) and the attention output: the backward pass recomputes only the
-    # elementwise work (norms, RoPE, SiLU), never a matmul or a fused attention kernel.
+    # batch dimensions; the experts' ragged dots by name) and the attention output: the
+    # backward pass recomputes only the elementwise work (norms, RoPE, SiLU), never a
+    # matmul or a fused attention kernel.
     "dots": lambda: jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_from_both_policies(
             jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-            jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT)),
+            jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, *EXPERT_OUTS)),
         saves_fused_attention),
 }
 """Remat policies by name (`jax.checkpoint_policies`); "none" keeps every activation."""
@@ -258,8 +268,11 @@ class MLP(nnx.Module):
         return out_NxE.reshape(B, T, E)
 
 
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP, or then a mixture of experts."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype, param_dtype,
                  kernels: Kernels, lora: LoraConfig | None = None):
@@ -267,14 +280,27 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.attn = Attention(cfg, **kw, kernels=kernels, lora=lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = MLP(cfg, **kw, lora=lora)
+        if cfg.is_moe and lora is not None and lora.enabled:
+            experts = [t for t in lora.targets if t in _MLP_TARGETS]
+            if experts:
+                raise ValueError(f"lora.targets={lora.targets}: {experts} have no adapters on "
+                                 f"{cfg.model_type}'s experts; target attention projections only")
+        self.mlp = None if cfg.is_moe else MLP(cfg, **kw, lora=lora)
+        self.moe = MoeBlock(cfg, dtype=dtype, param=lambda shape, axes: _param(
+            rngs, _normal, shape, axes, param_dtype)) if cfg.is_moe else None
 
-    def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks):
+    def __call__(self, x_BxTxE, positions_BxT, masks: AttentionMasks, routes_BxTxK=None,
+                 mask_BxT=None):
+        """(x, router stats): the stats are `MoeBlock`'s, {} for a dense layer."""
         x_BxTxE = x_BxTxE + self.attn(self.input_norm(x_BxTxE), positions_BxT, masks)
-        return x_BxTxE + self.mlp(self.post_attn_norm(x_BxTxE))
+        if self.moe is None:
+            return x_BxTxE + self.mlp(self.post_attn_norm(x_BxTxE)), {}
+        y_BxTxE, stats = self.moe(self.post_attn_norm(x_BxTxE), routes_BxTxK, mask_BxT)
+        return x_BxTxE + y_BxTxE, stats
 
 
-def _scan_layers_remat(layers, x_BxTxE, positions_BxT, masks: AttentionMasks, remat: str):
+def _scan_layers_remat(layers, x_BxTxE, positions_BxT, masks: AttentionMasks, remat: str,
+                       routes_LxBxTxK=None, mask_BxT=None):
     """The layers in turn as one `lax.scan` over their parameters stacked (a copy made
     inside jit; the param tree keeps one entry per layer), each layer rematerialised by
     the named policy (`REMAT_POLICIES`).
@@ -290,6 +316,9 @@ def _scan_layers_remat(layers, x_BxTxE, positions_BxT, masks: AttentionMasks, re
     the same, and the stacked copy and its gradient take half the bytes of float32
     master weights under bfloat16 compute (the gradient still reaches the master
     weights through the cast, as it does unstacked).
+
+    Returns the last layer's output and the layers' router stats stacked over L; each
+    layer takes its slice of the replayed routes as the scan goes.
     """
     graphdef, _ = nnx.split(layers[0])
     dtype = layers[0].input_norm.dtype
@@ -297,10 +326,12 @@ def _scan_layers_remat(layers, x_BxTxE, positions_BxT, masks: AttentionMasks, re
                            *(nnx.split(l)[1] for l in layers))
 
     @functools.partial(jax.checkpoint, policy=REMAT_POLICIES[remat]())
-    def apply(x_BxTxE, layer_state):
-        return nnx.merge(graphdef, layer_state)(x_BxTxE, positions_BxT, masks), None
+    def apply(x_BxTxE, layer):
+        layer_state, routes_BxTxK = layer
+        return nnx.merge(graphdef, layer_state)(x_BxTxE, positions_BxT, masks, routes_BxTxK,
+                                                mask_BxT)
 
-    return jax.lax.scan(apply, x_BxTxE, stacked)[0]
+    return jax.lax.scan(apply, x_BxTxE, (stacked, routes_LxBxTxK))
 
 
 class Decoder(nnx.Module):
@@ -335,10 +366,52 @@ class Decoder(nnx.Module):
         self.remat = remat_policy_name(remat)
         self.kernels = kernels
 
-    def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
+    def hidden_states(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+                      routes_BxTxLxK=None):
         """Final-normed hidden states B×T×E in the compute dtype, for callers that chunk
-        the vocab projection (see `vocab_kernel_VxE`)."""
+        the vocab projection (see `vocab_kernel_VxE`); `routes_BxTxLxK` replays a
+        mixture of experts' routing (None: the model's own)."""
+        return self._run(tokens_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK)[0]
+
+    def hidden_states_with_router_stats(self, tokens_BxT, positions_BxT=None,
+                                        segment_ids_BxT=None, routes_BxTxLxK=None,
+                                        mask_BxT=None):
+        """(`hidden_states`, {"aux_loss", "route_disagreement"}): float32 scalars over the
+        tokens `mask_BxT` keeps (all when None), pooled over layers as transformers pools
+        them (fnrl.models.moe.reduce_layer_stats); zeros for a dense model."""
+        h_BxTxE, stats_L = self._run(tokens_BxT, positions_BxT, segment_ids_BxT,
+                                     routes_BxTxLxK, mask_BxT)
+        moe = self.layers[0].moe
+        num_experts = 0 if moe is None else moe.router_kernel.shape[1]
+        return h_BxTxE, reduce_layer_stats(stats_L, num_experts)
+
+    def router_routes(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
+        """The router's own top-K expert ids B×T×L×K (int32), each layer's given the
+        layers before it routed their own way: the routes whose replay changes nothing."""
+        if self.layers[0].moe is None:
+            raise ValueError("router_routes: a dense model has no experts to route to")
+        _, stats_L = self._run(tokens_BxT, positions_BxT, segment_ids_BxT)
+        return jnp.moveaxis(stats_L["routes_BxTxK"], 0, 2)
+
+    def _check_routes(self, routes_BxTxLxK, B: int, T: int) -> None:
+        moe = self.layers[0].moe
+        if moe is None:
+            raise ValueError("routes_BxTxLxK given to a dense model: only a mixture of "
+                             "experts routes")
+        expected = (B, T, len(self.layers), moe.top_k)
+        if tuple(routes_BxTxLxK.shape) != expected:
+            raise ValueError(f"routes_BxTxLxK has shape {tuple(routes_BxTxLxK.shape)}, expected "
+                             f"{expected} (batch, tokens, layers, num_experts_per_tok)")
+
+    def _run(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, routes_BxTxLxK=None,
+             mask_BxT=None):
+        """(final-normed hidden states, the layers' router stats stacked over L: {} when
+        dense)."""
         B, T = tokens_BxT.shape
+        routes_LxBxTxK = None
+        if routes_BxTxLxK is not None:
+            self._check_routes(routes_BxTxLxK, B, T)
+            routes_LxBxTxK = jnp.moveaxis(jnp.asarray(routes_BxTxLxK, jnp.int32), 2, 0)
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         # Packing: attend only within a sequence's run (the padding tail sees only itself).
@@ -350,11 +423,16 @@ class Decoder(nnx.Module):
         # Gather the rows, then cast: casting the whole V×E table first would copy it.
         x_BxTxE = self.embedding[...][tokens_BxT].astype(self.dtype)
         if self.remat != "none":
-            x_BxTxE = _scan_layers_remat(self.layers, x_BxTxE, positions_BxT, masks, self.remat)
+            x_BxTxE, stats_L = _scan_layers_remat(self.layers, x_BxTxE, positions_BxT, masks,
+                                                  self.remat, routes_LxBxTxK, mask_BxT)
         else:
-            for layer in self.layers:
-                x_BxTxE = layer(x_BxTxE, positions_BxT, masks)
-        return self.final_norm(x_BxTxE)
+            stats = []
+            for i, layer in enumerate(self.layers):
+                routes_BxTxK = None if routes_LxBxTxK is None else routes_LxBxTxK[i]
+                x_BxTxE, layer_stats = layer(x_BxTxE, positions_BxT, masks, routes_BxTxK, mask_BxT)
+                stats.append(layer_stats)
+            stats_L = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+        return self.final_norm(x_BxTxE), stats_L
 
     def vocab_kernel_VxE(self) -> jax.Array:
         """The output projection as V×E in the compute dtype, tied or not. Inside jit the
@@ -368,20 +446,50 @@ class Decoder(nnx.Module):
         return jnp.einsum("bte,ve->btv", h_BxTxE, self.vocab_kernel_VxE(),
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
-        """Returns float32 logits B×T×V; positions default to arange, segments to one per row."""
-        return self.logits(self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT))
+    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+                 routes_BxTxLxK=None):
+        """Returns float32 logits B×T×V; positions default to arange, segments to one per
+        row, routes to the model's own."""
+        return self.logits(self.hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT,
+                                              routes_BxTxLxK))
 
 
-def forward(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
+def forward(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+            routes_BxTxLxK=None):
     """Pure forward pass over (graphdef, params) to float32 logits; jit this, not the module."""
-    return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, segment_ids_BxT)
+    return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK)
 
 
 def hidden_states(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None,
-                  segment_ids_BxT=None):
+                  segment_ids_BxT=None, routes_BxTxLxK=None):
     """Pure `Decoder.hidden_states`: final-normed B×T×E in the compute dtype."""
-    return nnx.merge(graphdef, params).hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT)
+    return nnx.merge(graphdef, params).hidden_states(tokens_BxT, positions_BxT, segment_ids_BxT,
+                                                     routes_BxTxLxK)
+
+
+def forward_with_router_stats(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None,
+                              segment_ids_BxT=None, routes_BxTxLxK=None, mask_BxT=None):
+    """Pure (float32 logits, {"aux_loss", "route_disagreement"}): `forward` and the
+    router statistics of `Decoder.hidden_states_with_router_stats`."""
+    model = nnx.merge(graphdef, params)
+    h_BxTxE, stats = model.hidden_states_with_router_stats(
+        tokens_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK, mask_BxT)
+    return model.logits(h_BxTxE), stats
+
+
+def hidden_states_with_router_stats(graphdef: nnx.GraphDef, params, tokens_BxT,
+                                    positions_BxT=None, segment_ids_BxT=None,
+                                    routes_BxTxLxK=None, mask_BxT=None):
+    """Pure `Decoder.hidden_states_with_router_stats`, for callers that chunk the vocab
+    projection."""
+    return nnx.merge(graphdef, params).hidden_states_with_router_stats(
+        tokens_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK, mask_BxT)
+
+
+def router_routes(graphdef: nnx.GraphDef, params, tokens_BxT, positions_BxT=None,
+                  segment_ids_BxT=None):
+    """Pure `Decoder.router_routes`: the model's own expert ids B×T×L×K."""
+    return nnx.merge(graphdef, params).router_routes(tokens_BxT, positions_BxT, segment_ids_BxT)
 
 
 def vocab_kernel_VxE(graphdef: nnx.GraphDef, params):

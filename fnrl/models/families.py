@@ -3,13 +3,16 @@
 Families and what sets them apart (everything else is shared: pre-norm RMSNorm blocks,
 grouped-query attention, rotate-half RoPE, SwiGLU MLP, optional tied embeddings):
 
-    qwen2  (Qwen2, Qwen2.5)  q/k/v projections carry biases
-    qwen3                    no biases; per-head RMSNorm of q and k before RoPE
-    llama  (Llama 3, 3.x)    no biases; RoPE often scaled with rope_type "llama3"
+    qwen2      (Qwen2, Qwen2.5)  q/k/v projections carry biases
+    qwen3                        no biases; per-head RMSNorm of q and k before RoPE
+    llama      (Llama 3, 3.x)    no biases; RoPE often scaled with rope_type "llama3"
+    qwen3_moe  (Qwen3 MoE)       qwen3's attention; each MLP a mixture of experts
+                                 (fnrl.models.moe): a router picks num_experts_per_tok
+                                 of num_experts SwiGLU experts per token
 
 A feature fnrl does not implement (sliding windows, yarn or linear RoPE, MLP or output
-biases, another activation) is refused by `DecoderConfig.from_hf` with a ValueError
-naming the config key, never silently ignored.
+biases, another activation, dense layers between sparse ones) is refused by
+`DecoderConfig.from_hf` with a ValueError naming the config key, never silently ignored.
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ import numpy as np
 
 from fnrl.config.base import check
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe",)
+# The mixture-of-experts fields, HF's names and defaults (Qwen3MoeConfig's where it has
+# one; the sizes have none worth guessing, so a config.json must give them).
+_MOE_REQUIRED_HF_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_MOE_DEFAULTS = {"num_experts": None, "num_experts_per_tok": None,
+                 "moe_intermediate_size": None, "norm_topk_prob": False,
+                 "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1, "mlp_only_layers": ()}
 _REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads")
 
@@ -68,7 +78,10 @@ class DecoderConfig:
     """Architecture of one model; field names and defaults follow HF `config.json`.
 
     `model_type` picks the family (see the module docstring); the family's fixed
-    features are the properties `qkv_bias` and `qk_norm`.
+    features are the properties `qkv_bias`, `qk_norm` and `is_moe`. The MoE fields
+    (num_experts ... mlp_only_layers) are HF Qwen3MoeConfig's; a dense family leaves
+    them at their defaults. `intermediate_size` is a MoE config's dense-MLP width, which
+    no layer uses while every layer is sparse.
     """
 
     model_type: str = "qwen2"
@@ -87,6 +100,13 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         name = type(self).__name__
@@ -122,6 +142,35 @@ class DecoderConfig:
             check(value is None or all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                        for i in ids), name, field, value,
                   "must be None, a non-negative int or a tuple of them")
+        if isinstance(self.mlp_only_layers, list) or self.mlp_only_layers is None:
+            # HF writes a list, older configs null for none.
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers or ()))
+        if self.is_moe:
+            self._check_moe(name)
+        else:
+            for field, default in _MOE_DEFAULTS.items():
+                check(getattr(self, field) == default, name, field, getattr(self, field),
+                      f"is a mixture-of-experts field: only {MOE_FAMILIES} set it")
+
+    def _check_moe(self, name: str) -> None:
+        for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, field)
+            check(_positive_int(value), name, field, value, "must be a positive int")
+        check(self.num_experts_per_tok <= self.num_experts, name, "num_experts_per_tok",
+              self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
+        check(isinstance(self.norm_topk_prob, bool), name, "norm_topk_prob",
+              self.norm_topk_prob, "must be a bool")
+        coef = self.router_aux_loss_coef
+        check(isinstance(coef, (int, float)) and coef >= 0, name, "router_aux_loss_coef", coef,
+              "must be >= 0")
+        # The layers run as one lax.scan over their stacked params (decoder.py), which
+        # needs every layer alike: a dense MLP between sparse ones would break the stack.
+        check(self.decoder_sparse_step == 1, name, "decoder_sparse_step",
+              self.decoder_sparse_step, "only 1 (every layer sparse) is supported: the "
+              "layers run as one scan, which needs every layer alike")
+        check(self.mlp_only_layers == (), name, "mlp_only_layers", self.mlp_only_layers,
+              "only [] (no dense layers) is supported: the layers run as one scan, which "
+              "needs every layer alike")
 
     @property
     def qkv_bias(self) -> bool:
@@ -131,7 +180,12 @@ class DecoderConfig:
     @property
     def qk_norm(self) -> bool:
         """Qwen3 RMS-normalises each head of q and k (over head_dim) before RoPE."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        """Each layer's MLP is a mixture of experts (fnrl.models.moe), not one SwiGLU."""
+        return self.model_type in MOE_FAMILIES
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -171,7 +225,17 @@ class DecoderConfig:
                              f"(one of {FAMILIES})")
         _refuse_unsupported(hf, model_type)
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_scaling", "rope_theta"}
+        if model_type not in MOE_FAMILIES:  # a dense config's stray MoE keys change nothing
+            fields -= set(_MOE_DEFAULTS)
         kwargs = {k: v for k, v in hf.items() if k in fields}
+        if model_type in MOE_FAMILIES:
+            if "num_experts" not in kwargs and "num_local_experts" in hf:
+                # transformers 5 writes Qwen3MoeConfig.num_experts as num_local_experts.
+                kwargs["num_experts"] = hf["num_local_experts"]
+            missing = [k for k in _MOE_REQUIRED_HF_KEYS if kwargs.get(k) is None]
+            if missing:
+                raise ValueError(f"HF config of model_type={model_type!r} is missing required "
+                                 f"keys: {missing}")
         kwargs["model_type"] = model_type
         kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(hf)
         if kwargs.get("num_key_value_heads") is None:
@@ -218,8 +282,14 @@ class DecoderConfig:
             hf.update(use_sliding_window=False, sliding_window=None,
                       max_window_layers=self.num_hidden_layers,
                       layer_types=["full_attention"] * self.num_hidden_layers)
-        if self.model_type in ("qwen3", "llama"):
+        if self.model_type in ("qwen3", "llama", "qwen3_moe"):
             hf["attention_bias"] = False
+        if self.is_moe:
+            # num_experts as the Hub's Qwen3-MoE configs spell it (transformers 5 reads it
+            # through its attribute_map; vLLM and transformers 4 read it directly).
+            hf.update({k: getattr(self, k) for k in _MOE_DEFAULTS})
+            hf.update(use_sliding_window=False, sliding_window=None, output_router_logits=False,
+                      mlp_only_layers=list(self.mlp_only_layers))
         if self.model_type == "llama":
             hf.update(mlp_bias=False, pretraining_tp=1)
         return hf
@@ -247,6 +317,10 @@ def _refuse_unsupported(hf: Mapping[str, Any], model_type: str) -> None:
         raise ValueError("HF config mlp_bias=True is not supported")
     if model_type != "qwen2" and hf.get("attention_bias"):
         raise ValueError(f"HF config attention_bias=True is not supported for {model_type}")
+    if hf.get("shared_expert_intermediate_size"):  # vLLM's qwen3_moe would add one
+        raise ValueError(f"HF config shared_expert_intermediate_size="
+                         f"{hf['shared_expert_intermediate_size']} is not supported "
+                         "(no shared expert)")
     if hf.get("pretraining_tp", 1) != 1:
         raise ValueError(f"HF config pretraining_tp={hf['pretraining_tp']} is not supported (1)")
     rope = hf.get("rope_parameters") or {}

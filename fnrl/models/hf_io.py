@@ -7,7 +7,14 @@ arrays so the caller chooses placement: `jax.device_put(params, shardings)`.
 A checkpoint directory holds `config.json`, the weights as `model.safetensors` or as
 shards named by `model.safetensors.index.json`, the tokenizer files and, optionally,
 `generation_config.json`. Reading and writing go one tensor at a time, so peak host
-memory is the params plus one tensor, never the params twice.
+memory is the params plus one tensor (plus, for a mixture of experts, one stacked expert
+kernel), never the params twice.
+
+A Qwen3-MoE checkpoint holds the Hub's layout: the router as `mlp.gate.weight` (X×E)
+and each expert as its own `mlp.experts.{e}.{gate,up,down}_proj.weight`. fnrl stacks
+the experts into one X×... kernel per projection; transformers 5 fuses gate and up on
+load and splits them again on save, and vLLM's loader maps each expert by name, so this
+one layout is what all three read and write.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -37,8 +44,18 @@ __all__ = ["TOKENIZER_FILES", "check_model_dir", "hf_to_params", "init_model",
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
-# (HF name, fnrl path, HF shape, fnrl -> HF, HF -> fnrl)
-_Entry = tuple[str, tuple, tuple[int, ...], Callable, Callable]
+
+class _Entry(NamedTuple):
+    """One HF tensor: its name, the fnrl leaf it lives in, its HF shape, the layout
+    changes each way and, for one expert of a stacked kernel, the expert's index into
+    the leaf's first axis."""
+
+    hf_name: str
+    path: tuple
+    hf_shape: tuple[int, ...]
+    to_hf: Callable
+    from_hf: Callable
+    expert: int | None = None
 
 
 def _same(x):
@@ -66,7 +83,7 @@ def _table(cfg: DecoderConfig) -> list[_Entry]:
 
     o_to = lambda w: w.reshape(H * D, E).T  # H×D×E -> E×(H·D)
     o_from = lambda w: w.T.reshape(H, D, E)
-    table = [("model.embed_tokens.weight", ("embedding",), (V, E), _same, _same)]
+    table = [_Entry("model.embed_tokens.weight", ("embedding",), (V, E), _same, _same)]
     for i in range(cfg.num_hidden_layers):
         hf, p = f"model.layers.{i}.", ("layers", i)
         attn = [(hf + "self_attn.q_proj.weight", (*p, "attn", "q_kernel"), (H * D, E),
@@ -88,17 +105,32 @@ def _table(cfg: DecoderConfig) -> list[_Entry]:
             *attn,
             (hf + "post_attention_layernorm.weight", (*p, "post_attn_norm", "scale"), (E,),
              _same, _same),
-            (hf + "mlp.gate_proj.weight", (*p, "mlp", "gate_kernel"), (I, E), np.transpose,
-             np.transpose),
-            (hf + "mlp.up_proj.weight", (*p, "mlp", "up_kernel"), (I, E), np.transpose,
-             np.transpose),
-            (hf + "mlp.down_proj.weight", (*p, "mlp", "down_kernel"), (E, I), np.transpose,
-             np.transpose),
+            *(_moe_entries(cfg, hf, p) if cfg.is_moe else [
+                (hf + "mlp.gate_proj.weight", (*p, "mlp", "gate_kernel"), (I, E), np.transpose,
+                 np.transpose),
+                (hf + "mlp.up_proj.weight", (*p, "mlp", "up_kernel"), (I, E), np.transpose,
+                 np.transpose),
+                (hf + "mlp.down_proj.weight", (*p, "mlp", "down_kernel"), (E, I), np.transpose,
+                 np.transpose)]),
         ]
     table.append(("model.norm.weight", ("final_norm", "scale"), (E,), _same, _same))
     if not cfg.tie_word_embeddings:
         table.append(("lm_head.weight", ("lm_head",), (V, E), np.transpose, np.transpose))
-    return table
+    return [_Entry(*entry) for entry in table]
+
+
+def _moe_entries(cfg: DecoderConfig, hf: str, p: tuple) -> list[_Entry]:
+    """A layer's router and experts. Grouped by projection (every expert's gate, then
+    every up, then every down) so consecutive entries share a stacked leaf, which
+    `iter_hf_tensors` then brings to host once."""
+    E, X, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    entries = [_Entry(hf + "mlp.gate.weight", (*p, "moe", "router_kernel"), (X, E),
+                      np.transpose, np.transpose)]
+    for proj, shape in (("gate", (I, E)), ("up", (I, E)), ("down", (E, I))):
+        path = (*p, "moe", f"{proj}_kernel")
+        entries += [_Entry(f"{hf}mlp.experts.{e}.{proj}_proj.weight", path, shape,
+                           np.transpose, np.transpose, expert=e) for e in range(X)]
+    return entries
 
 
 def iter_hf_tensors(cfg: DecoderConfig, params, *, dtype=np.float32
@@ -108,11 +140,15 @@ def iter_hf_tensors(cfg: DecoderConfig, params, *, dtype=np.float32
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
     dtype = _np_dtype(dtype)
-    for hf_name, path, _, to_hf, _ in _table(cfg):
-        leaf = params
-        for key in path:
-            leaf = leaf[key]
-        yield hf_name, np.ascontiguousarray(to_hf(np.asarray(leaf)), dtype=dtype)
+    host_path, host = None, None
+    for entry in _table(cfg):
+        if entry.path != host_path:  # the experts of one kernel share a host copy
+            leaf = params
+            for key in entry.path:
+                leaf = leaf[key]
+            host_path, host = entry.path, np.asarray(leaf)
+        tensor = host if entry.expert is None else host[entry.expert]
+        yield entry.hf_name, np.ascontiguousarray(entry.to_hf(tensor), dtype=dtype)
 
 
 def params_to_hf(cfg: DecoderConfig, params, *, dtype=np.float32) -> dict[str, np.ndarray]:
@@ -132,7 +168,7 @@ def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
     """
     dtype = _np_dtype(dtype)
     params: dict = {}
-    for hf_name, path, shape, _, from_hf in _table(cfg):
+    for hf_name, path, shape, _, from_hf, expert in _table(cfg):
         if hf_name not in tensors:
             raise KeyError(f"checkpoint is missing tensor {hf_name!r}")
         tensor = tensors[hf_name]
@@ -141,7 +177,13 @@ def hf_to_params(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], *,
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = np.ascontiguousarray(from_hf(np.asarray(tensor)), dtype=dtype)
+        value = np.ascontiguousarray(from_hf(np.asarray(tensor)), dtype=dtype)
+        if expert is None:
+            node[path[-1]] = value
+        else:  # one expert's slice of the stacked kernel, allocated at its first expert
+            if path[-1] not in node:
+                node[path[-1]] = np.empty((cfg.num_experts, *value.shape), dtype)
+            node[path[-1]][expert] = value
         del tensor
     return params
 

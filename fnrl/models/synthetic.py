@@ -66,6 +66,13 @@ SMALL_SHAPES = {
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True),
+    # Qwen3's shape with 8 experts, 2 per token, each a quarter of the dense MLP's width;
+    # renormalised top-k and untied embeddings, as Qwen3-30B-A3B has them.
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
     # A short original context, so llama3 scaling stretches, blends and keeps frequencies.
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
@@ -236,10 +243,11 @@ def write_checkpoint(out_dir: str | os.PathLike, family: str, *, seed: int,
                      shard_bytes: int | None = None, init_std: float = 0.02,
                      perturb_std: float = 0.0, vocab_multiple: int = 64,
                      **shape_overrides) -> Path:
-    """A random checkpoint of `family` ("qwen2", "qwen3", "llama") in `out_dir`, complete
-    for transformers, vLLM and fnrl's job: config, safetensors (in `dtype`, sharded at
-    `shard_bytes` if given), the tokenizer and a generation_config.json. The one builder
-    of fnrl's random models: the tests', the benchmarks' and the end-to-end runs'.
+    """A random checkpoint of `family` (a key of `SMALL_SHAPES`: "qwen2", "qwen3",
+    "llama", "qwen3_moe") in `out_dir`, complete for transformers, vLLM and fnrl's job:
+    config, safetensors (in `dtype`, sharded at `shard_bytes` if given), the tokenizer
+    and a generation_config.json. The one builder of fnrl's random models: the tests',
+    the benchmarks' and the end-to-end runs'.
 
     The tokenizer is `tokenizer_dir`'s (a `build_bpe_tokenizer`, or fnrl.data.arith's
     character-level one), else a fresh `build_bpe_tokenizer`; its tokenizer_config.json

@@ -1,7 +1,10 @@
 """Meshes with axes ("data", "fsdp", "tensor") and logical-axis rules per role.
 
 Parameters carry logical axis names (vocab, embed, heads, ...); a rules table maps
-each name to a mesh axis or to None (replicated). Meshes are passed as arguments.
+each name to a mesh axis or to None (replicated). Meshes are passed as arguments. A mesh
+axis shards at most one dimension of an array: when two of its logical axes map to the
+same mesh axis (an expert kernel's "expert" and "embed" both to fsdp), the first that
+the mesh axis divides takes it and the others stay whole.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ TRAINER_RULES: Mapping[str, str | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
+    # Mixture-of-experts kernels (X×E×I) are split by whole experts over fsdp, so their
+    # embed dimension stays whole (first claim wins, see `_claim_once`): FSDP's memory
+    # saving without a new mesh axis, and each device holds a contiguous block of
+    # experts, the layout an all-to-all expert-parallel dispatch would want later. The
+    # experts' "mlp" still goes over tensor, as a dense MLP's does.
+    "expert": "fsdp",
     "norm": None,
     "lora_rank": None,   # adapters are thin: their other axis is sharded as its kernel's
     "batch": ("data", "fsdp"),
@@ -79,11 +88,25 @@ def _divisible(spec: P, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     return P(*out)
 
 
+def _claim_once(spec: P) -> P:
+    """Each mesh axis on the first dimension that names it; later dimensions drop it
+    (a PartitionSpec may use a mesh axis only once)."""
+    claimed: set[str] = set()
+    out = []
+    for axis in spec:
+        names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+        kept = tuple(n for n in names if n not in claimed)
+        claimed.update(kept)
+        out.append(kept[0] if len(kept) == 1 and isinstance(axis, str) else (kept or None))
+    return P(*out)
+
+
 def shardings_for(logical_tree: Any, shapes_tree: Any, mesh: jax.sharding.Mesh,
                   rules: Mapping[str, Any] = TRAINER_RULES) -> Any:
     """NamedShardings for a pytree, given its logical-axis tuples and its shapes."""
     return jax.tree.map(
-        lambda spec, x: NamedSharding(mesh, _divisible(logical_to_mesh(spec, rules), x.shape, mesh)),
+        lambda spec, x: NamedSharding(mesh, _claim_once(
+            _divisible(logical_to_mesh(spec, rules), x.shape, mesh))),
         logical_tree, shapes_tree, is_leaf=lambda x: x is None or isinstance(x, (tuple, P)))
 
 

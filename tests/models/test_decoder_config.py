@@ -72,7 +72,7 @@ def test_from_hf_names_missing_keys_and_rejects_unsupported():
     ("partial_rotary_factor", 0.5, "llama"),
     ("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "llama"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "qwen3"),
-    ("model_type", "qwen3_moe", "qwen3"),
+    ("model_type", "qwen2_moe", "qwen2"),
 ])
 def test_from_hf_refuses_unsupported_features_naming_the_key(key, value, model_type):
     hf = {**BASE, "model_type": model_type, key: value}
