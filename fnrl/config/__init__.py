@@ -10,8 +10,8 @@ registers (fnrl.losses.register) is added through `accept_name`.
 """
 
 from fnrl.config.algo import (ADVANTAGE_NAMES, AGGREGATION_NAMES, CORRECTION_NAMES,
-                              KL_ESTIMATOR_NAMES, LOSS_TERM_NAMES, AlgoConfig, accept_name,
-                              known_names)
+                              KL_ESTIMATOR_NAMES, LOSS_TERM_NAMES, POLICY_TERM_NAMES,
+                              AlgoConfig, accept_name, known_names)
 from fnrl.config.base import check, finite, from_dict, load_json, positive, save_json, to_dict
 from fnrl.config.cluster import ClusterConfig
 from fnrl.config.distributed import DistributedConfig
@@ -27,7 +27,7 @@ from fnrl.config.run import (VLLM_HEAD_SIZES, MeshConfig, ModelConfig, RolloutCo
 
 __all__ = [
     "ADVANTAGE_NAMES", "AGGREGATION_NAMES", "CORRECTION_NAMES", "KL_ESTIMATOR_NAMES",
-    "LOSS_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
+    "LOSS_TERM_NAMES", "POLICY_TERM_NAMES", "MIB", "SAMPLER_NAMES", "SYNC_MODES", "VLLM_HEAD_SIZES", "AlgoConfig",
     "BalanceConfig", "ClusterConfig", "CoordinatorConfig", "CostModel", "DistributedConfig",
     "EVAL_SERVERS", "EvalConfig", "FaultConfig", "FaultInjection", "GATE_RULE_NAMES",
     "GatesConfig",

@@ -10,7 +10,12 @@ from fnrl.config.base import check, finite, positive
 # The registered names of fnrl.losses (config may not import the registries, which
 # pull in JAX; tests/test_config.py keeps each tuple equal to its registry's keys).
 LOSS_TERM_NAMES = ("ppo_clip", "grpo", "aipo", "decoupled_ppo", "gspo", "cispo", "sapo", "gmpo",
-                   "gpg", "clip_cov", "kl_cov", "kl", "entropy", "value")
+                   "gpg", "clip_cov", "kl_cov", "kl", "entropy", "value", "router_balance")
+POLICY_TERM_NAMES = tuple(t for t in LOSS_TERM_NAMES
+                          if t not in ("kl", "entropy", "value", "router_balance"))
+"""The terms of the policy-gradient family: each reads the new log-probs against the
+behaviour's and an advantage (the others regularise: a reference's KL, entropy, a
+critic's value loss, a mixture of experts' router balance)."""
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gpg", "opo", "passk", "gae")
 AGGREGATION_NAMES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 CORRECTION_NAMES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")

@@ -143,6 +143,12 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 384
+    num_experts: int = 0
+    """0: the embedded default is dense (Qwen2); > 0: a Qwen3-MoE with this many experts
+    in every layer, `num_experts_per_tok` of them per token, each `moe_intermediate_size`
+    wide. Ignored with `model_dir` (the directory's config.json says)."""
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 96
     seed: int = 0
     max_seq_len: int = 0
     """Longest sequence (prompt + response) the trainer compiles for and the servers are
@@ -151,6 +157,13 @@ class ModelConfig:
     def __post_init__(self):
         positive(self, "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+        check(self.num_experts >= 0, "ModelConfig", "num_experts", self.num_experts,
+              "must be >= 0 (0: a dense model)")
+        if self.num_experts:
+            positive(self, "num_experts_per_tok", "moe_intermediate_size")
+            check(self.num_experts_per_tok <= self.num_experts, "ModelConfig",
+                  "num_experts_per_tok", self.num_experts_per_tok,
+                  f"must be at most num_experts={self.num_experts}")
         check(self.max_seq_len >= 0, "ModelConfig", "max_seq_len", self.max_seq_len,
               "must be >= 0 (0: the model's max_position_embeddings)")
         check(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig",

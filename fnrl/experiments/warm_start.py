@@ -41,8 +41,14 @@ _RECIPE_VERSION = 3  # bump when the recipe below changes what gets built
 
 
 def model_config(model: ModelConfig, vocab_size: int, ids: dict[str, int]) -> DecoderConfig:
+    """The embedded model's architecture: a Qwen2, or with `model.num_experts` a Qwen3-MoE
+    (every layer sparse, top-k weights renormalised as Qwen3-MoE's released models do)."""
+    moe = dict(model_type="qwen3_moe", num_experts=model.num_experts,
+               num_experts_per_tok=model.num_experts_per_tok,
+               moe_intermediate_size=model.moe_intermediate_size,
+               norm_topk_prob=True) if model.num_experts else {}
     return DecoderConfig(
-        vocab_size=vocab_size, hidden_size=model.hidden_size,
+        **moe, vocab_size=vocab_size, hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size, num_hidden_layers=model.num_hidden_layers,
         num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_key_value_heads,
@@ -58,10 +64,16 @@ def default_model_dir(model: ModelConfig, task: TaskConfig, warm: WarmStartConfi
     # its cache) are what they were before the tool task had a warm start.
     warm_fields = {k: v for k, v in to_dict(warm).items() if k != "cache_dir"
                    and (tools or not k.startswith("tool_"))}
-    recipe = {"v": _RECIPE_VERSION, "model": to_dict(model), "task": synthetic,
+    # The MoE fields likewise only for a MoE model: the dense digest is unchanged.
+    moe = model.num_experts > 0
+    model_fields = {k: v for k, v in to_dict(model).items()
+                    if moe or k not in ("num_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size")}
+    recipe = {"v": _RECIPE_VERSION, "model": model_fields, "task": synthetic,
               "warm_start": warm_fields, **({"env": task.env} if tools else {})}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    name = "tiny-qwen2-toolarith" if tools else "tiny-qwen2-arith"
+    family = "qwen3moe" if moe else "qwen2"
+    name = f"tiny-{family}-toolarith" if tools else f"tiny-{family}-arith"
     return Path(warm.cache_dir).expanduser() / f"{name}-{digest}"
 
 

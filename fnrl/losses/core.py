@@ -19,6 +19,7 @@ Keys a term may read (the first four always exist):
   is_weight_BxT       train/inference mismatch correction weight (constant)
   ref_logp_BxT        the frozen reference policy's log-probs (constant)
   entropy_BxT         the model's per-token entropy (differentiable)
+  router_aux_loss     a mixture of experts' load-balancing loss, a scalar (differentiable)
 """
 
 from __future__ import annotations

@@ -45,6 +45,17 @@ def entropy_loss(logp_BxT: jnp.ndarray, batch: Batch) -> tuple[jnp.ndarray, Metr
     return aggregate(-entropy, batch), {"entropy": token_mean(entropy, batch["mask_BxT"])}
 
 
+@register(LOSS_TERMS, "router_balance", needs=("router_aux_loss",))
+def router_balance_loss(logp_BxT: jnp.ndarray, batch: Batch) -> tuple[jnp.ndarray, Metrics]:
+    """A mixture of experts' load-balancing loss (Switch/Qwen: X · Σ_e f_e · P_e over the
+    batch's tokens, fnrl.models.moe), as the trainer's forward pass computed it; its
+    weight is the model's `router_aux_loss_coef` (Qwen3-MoE's is 0.001). A scalar of the
+    micro-batch, scaled by the trainer by its share of the batch's tokens, so micro-batches
+    sum to a token-weighted mean as every loss does (the trainer logs it unscaled as
+    router/aux_loss)."""
+    return batch["router_aux_loss"], {}
+
+
 def _segment_starts(batch: Batch) -> jnp.ndarray:
     """True where a token starts a new sequence, scanning each row right to left."""
     if "segment_ids_BxT" not in batch:

@@ -217,33 +217,64 @@ def logprobs_from_hidden(h_BxTxE: jnp.ndarray, target_BxT: jnp.ndarray,
 
 
 def _hidden_and_kernel(graphdef: nnx.GraphDef, params: Params, input_BxT, positions_BxT,
-                       segment_ids_BxT):
+                       segment_ids_BxT, routes_BxTxLxK=None):
     model = nnx.merge(graphdef, params)
-    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT)
+    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK)
     # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits).
     kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
     return h_BxTxE, kernel_VxE
 
 
+def is_moe(params: Params) -> bool:
+    """Whether `params` (the whole model's pure dict) route tokens to experts: a layer
+    holds a "moe" block in place of "mlp" (fnrl.models.moe)."""
+    return any("moe" in layer for layer in params["layers"].values())
+
+
 def model_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT, target_BxT,
-                   positions_BxT=None, segment_ids_BxT=None, *, chunk_tokens: int = 0,
-                   with_entropy: bool = False, temperature: float = 1.0, top_k: int = -1,
-                   top_p: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+                   positions_BxT=None, segment_ids_BxT=None, routes_BxTxLxK=None, *,
+                   chunk_tokens: int = 0, with_entropy: bool = False, temperature: float = 1.0,
+                   top_k: int = -1, top_p: float = 1.0
+                   ) -> tuple[jnp.ndarray, jnp.ndarray | None]:
     """(log-probs of the targets, per-token entropy or None) of softmax(logits /
     temperature) on the sampler's top-k/top-p support, float32.
 
     chunk_tokens = 0 takes the model's own full logits; > 0 projects its final hidden
     states chunk by chunk (`logprobs_from_hidden`), never holding B×T×V logits.
+    `routes_BxTxLxK` replays a mixture of experts' routing (None: its own router's).
     """
+    logp_BxT, entropy_BxT, _ = model_logprobs_and_router_stats(
+        graphdef, params, input_BxT, target_BxT, positions_BxT, segment_ids_BxT,
+        routes_BxTxLxK, chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+        temperature=temperature, top_k=top_k, top_p=top_p, stats=False)
+    return logp_BxT, entropy_BxT
+
+
+def model_logprobs_and_router_stats(graphdef: nnx.GraphDef, params: Params, input_BxT,
+                                    target_BxT, positions_BxT=None, segment_ids_BxT=None,
+                                    routes_BxTxLxK=None, *, chunk_tokens: int = 0,
+                                    with_entropy: bool = False, temperature: float = 1.0,
+                                    top_k: int = -1, top_p: float = 1.0, stats: bool = True):
+    """`model_logprobs`, and the router's statistics of the same forward pass
+    ({"aux_loss", "route_disagreement"} over the packed rows' tokens, padding left out:
+    fnrl.models.moe; zeros for a dense model), or None when `stats` is False."""
+    model = nnx.merge(graphdef, params)
+    mask_BxT = None if segment_ids_BxT is None else segment_ids_BxT != 0
+    if stats:
+        h_BxTxE, router = model.hidden_states_with_router_stats(
+            input_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK, mask_BxT)
+    else:
+        h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK)
+        router = None
     if chunk_tokens <= 0:
-        model = nnx.merge(graphdef, params)
-        logits_BxTxV = model(input_BxT, positions_BxT, segment_ids_BxT).astype(jnp.float32)
-        return _reduce(logits_BxTxV, target_BxT, with_entropy, temperature, top_k, top_p)
-    h_BxTxE, kernel_VxE = _hidden_and_kernel(graphdef, params, input_BxT, positions_BxT,
-                                             segment_ids_BxT)
-    return logprobs_from_hidden(h_BxTxE, target_BxT, kernel_VxE,
-                                chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                                temperature=temperature, top_k=top_k, top_p=top_p)
+        logits_BxTxV = model.logits(h_BxTxE).astype(jnp.float32)
+        return (*_reduce(logits_BxTxV, target_BxT, with_entropy, temperature, top_k, top_p),
+                router)
+    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits).
+    kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
+    return (*logprobs_from_hidden(h_BxTxE, target_BxT, kernel_VxE,
+                                  chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                  temperature=temperature, top_k=top_k, top_p=top_p), router)
 
 
 def value_head_init(hidden_size: int) -> Params:

@@ -153,9 +153,10 @@ def activation_bytes_per_token_layer(model: DecoderConfig, length: int, compute:
     """Bytes one token keeps for the backward pass in one layer, without remat; the
     T-wide attention scores only for the xla kernel when the sequence is one attention
     block (the fused cudnn kernel keeps one float32 softmax statistic per head)."""
-    E, I = model.hidden_size, model.intermediate_size
+    E, I = model.hidden_size, _mlp_width(model)
     H, K, D = model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    linear = (4 * E + 2 * (H + 2 * K) * D + H * D + MLP_COPIES * I) * compute + (H + K) * D * 4
+    linear = ((4 * E + 2 * (H + 2 * K) * D + H * D + MLP_COPIES * I) * compute
+              + (H + K) * D * 4 + _routing_bytes(model, compute))
     if attention == "cudnn":
         return linear + H * 4
     if _blocked(length, attention):
@@ -166,9 +167,27 @@ def activation_bytes_per_token_layer(model: DecoderConfig, length: int, compute:
 def saved_dots_bytes_per_token_layer(model: DecoderConfig, compute: int) -> int:
     """Bytes one token keeps in one layer under remat "dots": the outputs of the weight
     matmuls (q/k/v, o, gate/up, down) and the attention output, in the compute dtype."""
-    E, I = model.hidden_size, model.intermediate_size
+    E, I = model.hidden_size, _mlp_width(model)
     H, K, D = model.num_attention_heads, model.num_key_value_heads, model.head_dim
-    return ((H + 2 * K) * D + H * D + E + 2 * I + E) * compute
+    return ((H + 2 * K) * D + H * D + E + 2 * I + E) * compute + _routing_bytes(model, compute)
+
+
+def _mlp_width(model: DecoderConfig) -> int:
+    """The feed-forward width one token passes through: a dense MLP's intermediate size,
+    or a mixture of experts' top-k experts side by side (k x moe_intermediate_size)."""
+    if model.is_moe:
+        return model.num_experts_per_tok * model.moe_intermediate_size
+    return model.intermediate_size
+
+
+def _routing_bytes(model: DecoderConfig, compute: int) -> int:
+    """What a mixture of experts keeps per token beside its experts' activations: the
+    router's float32 probabilities over every expert and the token's k gathered inputs
+    and outputs (fnrl.models.moe.expert_ffn); 0 for a dense model. An estimate from the
+    dispatch's arrays, not a measured figure."""
+    if not model.is_moe:
+        return 0
+    return model.num_experts * 4 + 2 * model.num_experts_per_tok * model.hidden_size * compute
 
 
 def _blocked(length: int, attention: str = "xla") -> bool:

@@ -22,7 +22,8 @@ from fnrl.config import AlgoConfig
 from fnrl.losses.correction import mismatch_metrics
 from fnrl.losses.objective import Objective, as_objective, build_objective
 from fnrl.models.lora import delta_change_norm, join
-from fnrl.trainer.logprobs import model_logprobs, model_logprobs_and_values, value_head_init
+from fnrl.trainer.logprobs import (is_moe, model_logprobs, model_logprobs_and_router_stats,
+                                   model_logprobs_and_values, value_head_init)
 
 Params = Any
 
@@ -146,19 +147,21 @@ def place_params(params: dict, sharding: Any, dtype=None) -> dict:
 
 def token_logprobs(graphdef: nnx.GraphDef, params: Params, input_BxT: jnp.ndarray,
                    target_BxT: jnp.ndarray, positions_BxT: jnp.ndarray | None = None,
-                   segment_ids_BxT: jnp.ndarray | None = None, *,
+                   segment_ids_BxT: jnp.ndarray | None = None,
+                   routes_BxTxLxK: jnp.ndarray | None = None, *,
                    logprob_chunk: int = 0, temperature: float = 1.0, top_k: int = -1,
                    top_p: float = 1.0) -> jnp.ndarray:
     """log π(target_t | input_≤t) for every position, in float32 (chunked over the
-    sequence when logprob_chunk > 0: fnrl.trainer.logprobs), π = softmax(logits / T)."""
+    sequence when logprob_chunk > 0: fnrl.trainer.logprobs), π = softmax(logits / T);
+    a mixture of experts replays `routes_BxTxLxK` when given."""
     return model_logprobs(graphdef, params, input_BxT, target_BxT, positions_BxT,
-                          segment_ids_BxT, chunk_tokens=logprob_chunk,
+                          segment_ids_BxT, routes_BxTxLxK, chunk_tokens=logprob_chunk,
                           temperature=temperature, top_k=top_k, top_p=top_p)[0]
 
 
 def _model_inputs(batch):
     return (batch["input_BxT"], batch["target_BxT"], batch.get("positions_BxT"),
-            batch.get("segment_ids_BxT"))
+            batch.get("segment_ids_BxT"), batch.get("routes_BxTxLxK"))
 
 
 def split_micro_batches(batch: Mapping[str, jnp.ndarray], micro_batches: int) -> dict:
@@ -236,6 +239,16 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
     if needs_ref and ref_params is None:
         raise ValueError("the objective uses KL to a reference policy but ref_params is None")
     with_entropy = "entropy_BxT" in objective.needs
+    # A mixture of experts: its router's statistics every step, its balance loss if the
+    # objective has the term, and the routes the engine chose replayed when the batch
+    # carries them (`routes_BxTxLxK`: every forward pass below, the reference's too).
+    moe = is_moe(whole(state.params))
+    if "router_aux_loss" in objective.needs and not moe:
+        raise ValueError("the objective's router_balance term needs a mixture-of-experts "
+                         "model; this one is dense")
+    if moe and with_values:
+        raise ValueError("a critic (GAE) on a mixture-of-experts model is not supported")
+    batch_tokens = jnp.maximum(jnp.sum(batch["mask_BxT"]), 1.0)
     batch = objective.weigh(batch)
 
     def micro_step(mb):
@@ -248,21 +261,25 @@ def train_step(state: TrainState, batch: Mapping[str, jnp.ndarray], ref_params: 
             if with_values:
                 params, head = trainable
                 logp_BxT, entropy_BxT, values_BxT = model_logprobs_and_values(
-                    graphdef, whole(params), head, *_model_inputs(mb), chunk_tokens=logprob_chunk,
+                    graphdef, whole(params), head, *_model_inputs(mb)[:4], chunk_tokens=logprob_chunk,
                     with_entropy=with_entropy, temperature=temperature, top_k=top_k,
                     top_p=top_p,
                     trunk_grad=value_trunk_grad)
                 inputs = dict(mb, values_BxT=values_BxT)
             else:
-                logp_BxT, entropy_BxT = model_logprobs(graphdef, whole(trainable), *_model_inputs(mb),
-                                                       chunk_tokens=logprob_chunk,
-                                                       with_entropy=with_entropy,
-                                                       temperature=temperature,
-                                                       top_k=top_k, top_p=top_p)
+                logp_BxT, entropy_BxT, router = model_logprobs_and_router_stats(
+                    graphdef, whole(trainable), *_model_inputs(mb), chunk_tokens=logprob_chunk,
+                    with_entropy=with_entropy, temperature=temperature, top_k=top_k,
+                    top_p=top_p, stats=moe)
                 inputs = mb
             prepared, prep_metrics = objective.prepare(logp_BxT, inputs)
             if with_entropy:
                 prepared["entropy_BxT"] = entropy_BxT
+            if moe:   # the balance loss weighted by the micro-batch's share of the tokens
+                prepared["router_aux_loss"] = router["aux_loss"] * (
+                    jnp.sum(mb["mask_BxT"]) / batch_tokens)
+                prep_metrics = {**prep_metrics, **{f"router/{k}": jax.lax.stop_gradient(v)
+                                                   for k, v in router.items()}}
             loss, metrics = objective(logp_BxT, prepared)
             return loss, ({**metrics, **prep_metrics}, jax.lax.stop_gradient(logp_BxT))
 

@@ -154,6 +154,39 @@ def test_the_tool_task_has_a_warm_start_of_its_own_and_the_math_one_is_unchanged
     assert default_model_dir(cfg.model, tool_task, other) != tool_dir
 
 
+def test_a_moe_default_has_a_recipe_of_its_own_and_the_dense_one_is_unchanged():
+    import dataclasses
+
+    from fnrl.config import RunConfig
+    from fnrl.experiments.warm_start import default_model_dir, model_config
+
+    cfg = RunConfig()
+    dense = default_model_dir(cfg.model, cfg.task, cfg.warm_start)
+    # The MoE fields enter the recipe only for a MoE model: the dense cache stays valid.
+    assert dense == default_model_dir(dataclasses.replace(cfg.model, num_experts_per_tok=4),
+                                      cfg.task, cfg.warm_start)
+    moe_model = dataclasses.replace(cfg.model, num_experts=8)
+    moe = default_model_dir(moe_model, cfg.task, cfg.warm_start)
+    assert moe.name.startswith("tiny-qwen3moe-arith-") and moe != dense
+    assert moe != default_model_dir(dataclasses.replace(moe_model, num_experts_per_tok=1),
+                                    cfg.task, cfg.warm_start)
+    arch = model_config(moe_model, 64, {PAD: 0, BOS: 1, EOS: 2})
+    assert (arch.model_type, arch.num_experts, arch.num_experts_per_tok,
+            arch.moe_intermediate_size, arch.norm_topk_prob) == ("qwen3_moe", 8, 2, 96, True)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("num_experts", -1, "num_experts"),
+    ("num_experts_per_tok", 9, "at most num_experts=8"),
+    ("moe_intermediate_size", 0, "moe_intermediate_size"),
+])
+def test_moe_fields_of_the_embedded_model_are_checked(field, value, match):
+    from fnrl.config import ModelConfig
+
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{"num_experts": 8, field: value})
+
+
 def test_the_tool_warm_start_builds_a_model_that_loads(tmp_path):
     """The whole tool-task warm start (demonstrations with fed results, packing, the
     greedy check over tool solutions) on a tiny model for a few steps."""

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fnrl.config import AlgoConfig, LOSS_TERM_NAMES
+from fnrl.config import AlgoConfig, POLICY_TERM_NAMES
 from fnrl.losses import build_objective
 from fnrl.losses.objective import bind_term
 from fnrl.losses.policy import ppo_clip_loss
 
-RATIO_TERMS = [t for t in LOSS_TERM_NAMES if t not in ("kl", "entropy", "value")]
+RATIO_TERMS = list(POLICY_TERM_NAMES)
 
 
 def _stale(log_ratio, adv=-1.0):

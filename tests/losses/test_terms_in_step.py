@@ -8,14 +8,14 @@ import numpy as np
 import optax
 import pytest
 
-from fnrl.config import ADVANTAGE_NAMES, LOSS_TERM_NAMES, AlgoConfig
+from fnrl.config import ADVANTAGE_NAMES, POLICY_TERM_NAMES, AlgoConfig
 from fnrl.losses import build_objective
 from fnrl.losses.advantages import compute_advantages
 from fnrl.models.decoder import DecoderConfig, init_model
 from fnrl.trainer.step import init_state, make_optimizer, token_logprobs, train_step
 
 # "value" is the critic's term (tests/losses/test_value.py runs it in the step).
-POLICY_TERMS = [t for t in LOSS_TERM_NAMES if t not in ("kl", "entropy", "value")]
+POLICY_TERMS = list(POLICY_TERM_NAMES)
 
 
 @pytest.fixture(scope="module")

@@ -14,22 +14,16 @@ from fnrl.models.decoder import logical_axes
 from fnrl.models.hf_io import load_pretrained
 from fnrl.models.lora import delta_change_norm, split_adapters
 from fnrl.sharding.mesh import batch_sharding, make_mesh, shardings_for
-from fnrl.trainer.step import (compile_train_step, init_state, make_optimizer, pack_sequences,
-                               place_params, state_shardings, token_logprobs)
+from fnrl.trainer.step import (compile_train_step, init_state, make_optimizer, place_params,
+                               state_shardings)
 from tests.tolerances import assert_close
+from tests.trainer.toy_batch import on_policy_batch
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def _batch(graphdef, params):
-    rng = np.random.default_rng(1)
-    prompts = [tuple(rng.integers(3, 40, 5)) for _ in range(8)]
-    responses = [tuple(rng.integers(3, 40, 6)) for _ in range(8)]
-    batch = pack_sequences(prompts, responses, seq_len=16, pad_id=0)
-    logp = token_logprobs(graphdef, params, batch["input_BxT"], batch["target_BxT"])
-    batch["behaviour_logp_BxT"] = np.asarray(logp) * batch["mask_BxT"]
-    batch["adv_B"] = rng.standard_normal(8).astype(np.float32)
-    return batch
+    return on_policy_batch(graphdef, params, rows=8, vocab=40, seed=1)
 
 
 def _run(model_dir, algo, mesh_shape, steps=2, controls=None):

@@ -117,6 +117,27 @@ def test_the_plan_covers_the_measured_real_run():
     assert dict(small.resident)["process"] == PROCESS_BYTES + PROCESS_BYTES_PER_PARAM * 2024
 
 
+def test_a_mixture_of_experts_keeps_its_top_k_experts_and_its_routing_per_token():
+    """Per token and layer a MoE keeps k experts' activations (k x moe_intermediate_size
+    wide, where a dense model keeps intermediate_size) plus the router's float32
+    probabilities over every expert and its k gathered inputs and outputs."""
+    from fnrl.trainer.memory import saved_dots_bytes_per_token_layer
+
+    dense = DecoderConfig(model_type="qwen3", vocab_size=256, hidden_size=64,
+                          intermediate_size=1000, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1)
+    moe = DecoderConfig(**{**dataclasses.asdict(dense), "model_type": "qwen3_moe",
+                           "intermediate_size": 1000, "num_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 48})
+    as_dense = dataclasses.replace(dense, intermediate_size=2 * 48)
+    routing = lambda c: 8 * 4 + 2 * 2 * 64 * c   # noqa: E731
+    for c in (2, 4):
+        assert (activation_bytes_per_token_layer(moe, 128, c)
+                == activation_bytes_per_token_layer(as_dense, 128, c) + routing(c))
+        assert (saved_dots_bytes_per_token_layer(moe, c)
+                == saved_dots_bytes_per_token_layer(as_dense, c) + routing(c))
+
+
 def test_device_plan_splits_weights_over_fsdp_and_rows_over_data():
     """One accelerator's share under FSDP: parameter-sized arrays / (fsdp x tensor),
     activations and logits / (data x fsdp), and no host process."""
