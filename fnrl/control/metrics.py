@@ -118,6 +118,23 @@ def length_stats(lengths: np.ndarray) -> dict[str, float]:
             "response_len_mean": float(lengths.mean()), "responses": int(lengths.size)}
 
 
+def _plot_router(ax, train: list[dict]) -> None:
+    """A mixture of experts' train/inference mismatch KL beside its router: how often
+    the trainer's own top-k differs from the replayed routes, and the balance loss."""
+    steps = [r["step"] for r in train]
+    ax.plot(steps, [r.get("mismatch/kl_k3", np.nan) for r in train], lw=1,
+            label="mismatch KL (k3)")
+    ax.set(title="MoE: mismatch and routing", xlabel="step", ylabel="KL")
+    twin = ax.twinx()
+    twin.plot(steps, [r["router/route_disagreement"] for r in train], color="tab:red", lw=1,
+              label="routes the trainer would not pick")
+    twin.plot(steps, [r["router/aux_loss"] for r in train], color="tab:purple", lw=1,
+              ls="--", label="load-balancing loss (top-k when balanced)")
+    twin.set(ylabel="fraction; loss")
+    ax.legend(fontsize=8, loc="upper left")
+    twin.legend(fontsize=8, loc="upper right")
+
+
 def plot_run(run_dir: Path) -> Path:
     """Reward, held-out accuracy, staleness and response-length plots from metrics.jsonl
     and trajectories.jsonl into curves.png."""
@@ -130,7 +147,8 @@ def plot_run(run_dir: Path) -> Path:
     # (A step trained while no controller ran has a record without the step's metrics.)
     train = [r for r in records if r["kind"] == "train" and "reward_mean" in r]
     evals = [r for r in records if r["kind"] == "eval"]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    routed = [r for r in train if "router/aux_loss" in r]   # a mixture of experts
+    fig, axes = plt.subplots(1, 5 if routed else 4, figsize=(25 if routed else 20, 4))
     if train:
         axes[0].plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=1)
     episodes = [r for r in train if "turns_mean" in r]
@@ -161,6 +179,8 @@ def plot_run(run_dir: Path) -> Path:
     axes[3].set(title="response lengths"
                 + (f" (p99/median {stats['response_len_p99_over_median']:.1f})" if stats else ""),
                 xlabel="generated tokens per trained trajectory", ylabel="trajectories")
+    if routed:
+        _plot_router(axes[4], routed)
     fig.tight_layout()
     out = run_dir / "curves.png"
     fig.savefig(out, dpi=100)
