@@ -36,7 +36,8 @@ def test_the_balance_term_and_the_router_statistics_are_the_forward_passes():
     batch = _batch(graphdef, params)
     algo = AlgoConfig(loss_terms=(("grpo", 1.0), ("router_balance", 0.01)))
     m = _step(graphdef, params, batch, algo)
-    _, stats = forward_with_router_stats(graphdef, params, batch["input_BxT"])
+    stats_of = jax.jit(lambda tokens: forward_with_router_stats(graphdef, params, tokens)[1])
+    stats = stats_of(batch["input_BxT"])
     # One micro-batch holds every token: the term is the forward pass's loss itself.
     np.testing.assert_allclose(m["router/aux_loss"], stats["aux_loss"], rtol=1e-5)
     np.testing.assert_allclose(m["router_balance/loss"], stats["aux_loss"], rtol=1e-5)
@@ -46,8 +47,7 @@ def test_the_balance_term_and_the_router_statistics_are_the_forward_passes():
                                rtol=1e-5)
     # Two micro-batches: each term scaled by its share of the tokens, summed.
     m2 = _step(graphdef, params, batch, algo, micro_batches=2)
-    halves = [forward_with_router_stats(graphdef, params, batch["input_BxT"][i::2])[1]
-              ["aux_loss"] for i in (0, 1)]
+    halves = [stats_of(batch["input_BxT"][i::2])["aux_loss"] for i in (0, 1)]
     tokens = [batch["mask_BxT"][i::2].sum() for i in (0, 1)]
     np.testing.assert_allclose(m2["router_balance/loss"],
                                np.dot(halves, tokens) / sum(tokens), rtol=1e-5)
@@ -59,7 +59,8 @@ def test_replayed_routes_are_what_the_step_trains_through():
     algo = AlgoConfig(loss_terms=(("grpo", 1.0),))
     from flax import nnx
 
-    own = np.asarray(nnx.merge(graphdef, params).router_routes(jnp.asarray(batch["input_BxT"])))
+    own = np.asarray(jax.jit(lambda t: nnx.merge(graphdef, params).router_routes(t))(
+        jnp.asarray(batch["input_BxT"])))
     base = _step(graphdef, params, batch, algo)
     same = _step(graphdef, params, {**batch, "routes_BxTxLxK": own}, algo)
     # The router's own routes replayed: the very same step.
