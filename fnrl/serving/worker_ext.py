@@ -201,7 +201,9 @@ class RelayWeightLoader:
             else:
                 weights = torch_views(arrays)
             self.reload_weights(weights_iterator=weights)
-            repack_cpu_experts(self.model_runner.get_model(), experts_of(arrays))
+            reloaded = experts_of(arrays)
+            if reloaded:   # a mixture of experts' (dense models have none)
+                repack_cpu_experts(self.model_runner.get_model(), reloaded)
             self._fnrl_reload_s = time.perf_counter() - start
 
         with RelayClient(relay_address, timeout_s=timeout_s) as relay:
