@@ -217,12 +217,15 @@ def logprobs_from_hidden(h_BxTxE: jnp.ndarray, target_BxT: jnp.ndarray,
 
 
 def _hidden_and_kernel(graphdef: nnx.GraphDef, params: Params, input_BxT, positions_BxT,
-                       segment_ids_BxT, routes_BxTxLxK=None):
+                       segment_ids_BxT):
     model = nnx.merge(graphdef, params)
-    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT, routes_BxTxLxK)
-    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits).
-    kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
-    return h_BxTxE, kernel_VxE
+    h_BxTxE = model.hidden_states(input_BxT, positions_BxT, segment_ids_BxT)
+    return h_BxTxE, _stored_vocab_kernel(model)
+
+
+def _stored_vocab_kernel(model) -> jnp.ndarray:
+    """Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits)."""
+    return model.embedding[...] if model.lm_head is None else model.lm_head[...].T
 
 
 def is_moe(params: Params) -> bool:
@@ -270,9 +273,7 @@ def model_logprobs_and_router_stats(graphdef: nnx.GraphDef, params: Params, inpu
         logits_BxTxV = model.logits(h_BxTxE).astype(jnp.float32)
         return (*_reduce(logits_BxTxV, target_BxT, with_entropy, temperature, top_k, top_p),
                 router)
-    # Decoder.vocab_kernel_VxE in the storage dtype: cast per chunk (see _logits).
-    kernel_VxE = model.embedding[...] if model.lm_head is None else model.lm_head[...].T
-    return (*logprobs_from_hidden(h_BxTxE, target_BxT, kernel_VxE,
+    return (*logprobs_from_hidden(h_BxTxE, target_BxT, _stored_vocab_kernel(model),
                                   chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                                   temperature=temperature, top_k=top_k, top_p=top_p), router)
 
