@@ -36,11 +36,12 @@ from fnrl.control.trajectories import TrajectoryTable
 from fnrl.control.training import Training
 from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.policy import faults, schedule
+from fnrl.shell import aio
 from fnrl.shell.files import no_space
-from fnrl.types import (Abort, Consume, DropGroups, Evaluate, FillPrompts, Interrupt, Migrate,
-                        Pull, Route)
+from fnrl.types import Abort, Consume, DropGroups, Evaluate, FillPrompts, Interrupt, Migrate, Pull, Route
 
 TICK_S = 0.1
+TASKS_GRACE_S = 30.0   # for the loop's tasks to end once cancelled (fnrl.shell.aio)
 PROGRESS_EVERY_S = 2.0    # attempts.jsonl: how stale a killed controller's record may be
 
 
@@ -85,11 +86,10 @@ class Controller:
                                  watch=self.supervisor, on_step=self._log_step,
                                  gating=self.gating)
         self.supervisor.generation, self.supervisor.training = self.generation, self.training
-        self.eval_lane = None
-        if roles.evaluator is not None and cfg.eval.server != "off":
-            self.eval_lane = EvalLane(cfg, roles.evaluator, roles.relays, task=task,
-                                      book=self.book, svc=self.svc, writer=writer,
-                                      reward=self.generation.reward, log=self.log)
+        self.eval_lane = (EvalLane(cfg, roles.evaluator, roles.relays, task=task, book=self.book,
+                                   svc=self.svc, writer=writer, reward=self.generation.reward,
+                                   log=self.log)
+                          if roles.evaluator is not None and cfg.eval.server != "off" else None)
         self._last_obs = self._last_step = self._last_progress = 0.0
         self.bar = None
 
@@ -142,8 +142,8 @@ class Controller:
             raise self.attempts.stop_on_full_disk(err, self.svc.clock.epoch(),
                                                   **self._progress(self.svc.now())) from None
         finally:
-            for t in self.svc.tasks:
-                t.cancel()
+            # Ended here, while the HTTP session and the pool they write to are open.
+            await aio.cancel_and_wait(self.svc.tasks, TASKS_GRACE_S)
             await self.generation.close_tools()   # the sandbox's workers (multi-turn)
             self.bar.close()
             for closing in (self.supervisor, self.journal, self.consumed, self.pool):
