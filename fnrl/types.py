@@ -24,6 +24,31 @@ class Problem:
     level: int
 
 
+Routes = tuple[tuple[tuple[int, ...], ...], ...]
+"""A mixture of experts' routing, per token: per layer, the experts the engine chose
+(token x layer x top_k, as nested tuples: hashable, and JSON as nested lists)."""
+
+
+def check_routes(routes: Routes | None, num_tokens: int, what: str) -> None:
+    """Raises ValueError unless `routes` (None: none recorded) has one entry per token.
+    Only the count: a segment is rebuilt on every streamed chunk, and the layers x top_k
+    shape is checked once, where the batch array is built (fnrl.trainer.batching)."""
+    if routes is not None and len(routes) != num_tokens:
+        raise ValueError(f"{what} has {num_tokens} tokens but routes for {len(routes)}")
+
+
+def concat_routes(parts: tuple[Routes | None, ...], what: str) -> Routes | None:
+    """The routes of consecutive pieces joined; None when no piece has any. Pieces with
+    and without routes do not join: the tokens without would train through the
+    trainer's own router while the rest replay the engine's."""
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError(f"{what}: some pieces carry routes and some do not "
+                         f"({['none' if p is None else len(p) for p in parts]})")
+    return tuple(r for p in parts for r in p)
+
+
 @dataclass(frozen=True)
 class Segment:
     version: int
@@ -33,11 +58,15 @@ class Segment:
     """True for ids fed to the model that it did not sample (a tool's result in a
     multi-turn episode): trained with mask 0, log-probs 0, and `version` that of the
     sampled turn before them, so staleness bookkeeping is unchanged."""
+    routes: Routes | None = None
+    """Per token, the experts the engine routed it to (rollout routing replay); None:
+    not recorded (a dense model, or routing replay off)."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"segment has {len(self.token_ids)} tokens but "
                              f"{len(self.logprobs)} log-probs")
+        check_routes(self.routes, len(self.token_ids), "segment")
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,12 @@ class Trajectory:
     reward: float | None = None  # None: invalid (e.g. a non-finite reward), never trained on
     tool_calls: int = 0          # tool calls its environment ran (multi-turn episodes)
     tool_ok: int = 0             # of which ended "ok"
+    prompt_routes: Routes | None = None
+    """Per prompt token, the experts the engine routed it to: the trainer's forward runs
+    over prompt + response, so a replay needs both (None: not recorded)."""
+
+    def __post_init__(self):
+        check_routes(self.prompt_routes, len(self.prompt_ids), f"trajectory {self.uid!r}'s prompt")
 
     @property
     def response_ids(self) -> tuple[int, ...]:
@@ -57,6 +92,13 @@ class Trajectory:
     @property
     def logprobs(self) -> tuple[float, ...]:
         return tuple(lp for s in self.segments for lp in s.logprobs)
+
+    @property
+    def routes(self) -> Routes | None:
+        """Per response token, the engine's routes (None: no segment recorded them; an
+        empty segment has no say)."""
+        return concat_routes(tuple(s.routes for s in self.segments if s.token_ids),
+                             f"trajectory {self.uid!r}'s segments")
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -293,8 +335,13 @@ class Completion:
 @dataclass(frozen=True)
 class StreamChunk:
     """Tokens a streaming request produced since its previous chunk (often one), with
-    their log-probs; `finish_reason` is set on the last chunk only."""
+    their log-probs; `finish_reason` is set on the last chunk only. `routes`: per token,
+    the experts the engine routed it to, when it reports them (rollout routing replay)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
+    routes: Routes | None = None
+
+    def __post_init__(self):
+        check_routes(self.routes, len(self.token_ids), "stream chunk")

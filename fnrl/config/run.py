@@ -22,6 +22,7 @@ ATTENTION_KERNELS = ("xla", "cudnn")
 REMAT_POLICIES = ("none", "dots", "full")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 SERVE_DTYPES = ("float32", "bfloat16", "float16")
+ROUTING_REPLAY = ("off", "replay")
 
 # Head sizes vLLM's CPU attention backend accepts (vllm 0.32 cpu_attn.py); GPU backends
 # accept these too.
@@ -149,6 +150,10 @@ class ModelConfig:
     wide. Ignored with `model_dir` (the directory's config.json says)."""
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 96
+    routing_replay: str = "off"
+    """A mixture of experts' rollout routing replay (R3, arXiv 2510.11370): "replay" has
+    the trainer route each token to the experts the inference engine chose for it (the
+    engine reports them: vLLM's --enable-return-routed-experts); "off": its own router."""
     seed: int = 0
     max_seq_len: int = 0
     """Longest sequence (prompt + response) the trainer compiles for and the servers are
@@ -164,6 +169,12 @@ class ModelConfig:
             check(self.num_experts_per_tok <= self.num_experts, "ModelConfig",
                   "num_experts_per_tok", self.num_experts_per_tok,
                   f"must be at most num_experts={self.num_experts}")
+        check(self.routing_replay in ROUTING_REPLAY, "ModelConfig", "routing_replay",
+              self.routing_replay, f"must be one of {ROUTING_REPLAY}")
+        # The embedded default's shape is known here; a model_dir's is checked at start.
+        check(self.routing_replay == "off" or self.model_dir or self.num_experts > 0,
+              "ModelConfig", "routing_replay", self.routing_replay,
+              "a dense model has no routes to replay (set num_experts > 0)")
         check(self.max_seq_len >= 0, "ModelConfig", "max_seq_len", self.max_seq_len,
               "must be >= 0 (0: the model's max_position_embeddings)")
         check(self.num_attention_heads % self.num_key_value_heads == 0, "ModelConfig",

@@ -247,7 +247,8 @@ class Generation:
                 async for chunk in stream:
                     if chunk.token_ids:
                         # Durable before it counts: an interrupt or crash keeps it.
-                        self.pool.append(t.uid, version, chunk.token_ids, chunk.logprobs)
+                        self.pool.append(t.uid, version, chunk.token_ids, chunk.logprobs,
+                                         routes=chunk.routes)
                         t.tokens += len(chunk.token_ids)
                         t.started = True
                         book.generated_tokens += len(chunk.token_ids)
@@ -348,6 +349,7 @@ class Generation:
                 reward = self.reward(ids, rec.problem.answer)
             self.book.invalid_trajectories += reward is None
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids, segments=item.segments,
+                                    prompt_routes=item.prompt_routes,
                                     finish_reason=item.finish_reason, reward=reward,
                                     tool_calls=outcome.tool_calls if outcome else 0,
                                     tool_ok=outcome.tool_ok if outcome else 0))

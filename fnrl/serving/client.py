@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import io
 import json
 import math
 import re
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
+import numpy as np
 
 from fnrl.shell import auth
 from fnrl.types import Completion, ServerError, StreamChunk  # noqa: F401 - re-exported
@@ -289,6 +293,32 @@ class RolloutClient:
                     raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
             except aiohttp.ClientError as e:
                 raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
+
+
+def decode_routed_experts(payload: str, *, tokens: int, layers: int, top_k: int) -> np.ndarray:
+    """vLLM's `routed_experts` (`--enable-return-routed-experts`, a non-streamed choice's
+    field) as [tokens, layers, top_k] int32: per token of prompt + completion, per layer,
+    the experts the engine routed it to. The payload is a base64 `.npy` (numpy.save).
+
+    Some vLLM versions report tokens - 1 positions: the last sampled token is never fed
+    back. Positions align from the first token, and the missing last row is expert 0:
+    that token is only ever a target, so the trainer reads no routes for it
+    (fnrl.trainer.batching). Any other count, or another layers x top_k, is a ServerError.
+    """
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(payload, validate=True)),
+                        allow_pickle=False)
+    except (binascii.Error, ValueError, EOFError, OSError) as e:
+        raise ServerError(f"routed_experts is not a base64 .npy array: {e}") from None
+    if array.ndim != 3 or array.shape[1:] != (layers, top_k):
+        raise ServerError(f"routed_experts has shape {array.shape}; expected "
+                          f"[{tokens} tokens, {layers} layers, {top_k} top_k]")
+    if array.shape[0] not in (tokens, tokens - 1):
+        raise ServerError(f"routed_experts covers {array.shape[0]} positions for {tokens} "
+                          f"tokens (prompt + completion): expected {tokens} or {tokens - 1}")
+    out = np.zeros((tokens, layers, top_k), np.int32)
+    out[:len(array)] = array
+    return out
 
 
 def _same_version(results: list, base_url: str) -> int:

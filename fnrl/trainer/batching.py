@@ -17,6 +17,11 @@ bucket. Two layouts:
       `adv_BxT` per token.
 With micro-batches, row r belongs to micro-batch r % M (as `split_micro_batches`
 splits), and every GRPO group is placed inside a single micro-batch.
+
+Rollout routing replay (a mixture of experts): when every sample carries the engine's
+routes (`prompt_routes` and `routes`, per token per layer its experts), the batch has
+`routes_BxTxLxK`, laid out like `input_BxT`: position j holds the routes of the token
+that is the input there. A batch where only some samples carry routes is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.losses.advantages import compute_advantages, overlong_penalty
 from fnrl.policy.filtering import informative
 
-Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward
+Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward (prompt_routes, routes)
 
 
 def is_valid(s: Sample) -> bool:
@@ -184,6 +189,9 @@ def build_batch(groups: Sequence[Sequence[Sample]], *, algo: AlgoConfig, trainer
 
     arrays = _fill(samples, place, adv, rows, length, pad_id, packed=trainer.pack_rows > 0,
                    rewards=rewards)
+    routes = sample_routes(samples)
+    if routes is not None:
+        arrays["routes_BxTxLxK"] = _fill_routes(routes, place, rows, length)
     info.update(tokens=int(arrays["mask_BxT"].sum()), length=length, rows=rows,
                 fill=float(sum(slots) / (rows * length)))
     return arrays, info
@@ -231,6 +239,46 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool,
         out["adv_B"] = adv_B
     if rewards is not None:
         out["reward_BxT"] = reward_BxT
+    return out
+
+
+def sample_routes(samples: Sequence[Sample]) -> list[np.ndarray] | None:
+    """Each sample's routes over prompt + response, [tokens, layers, top_k] int32; None
+    when no sample carries any. Raises ValueError, naming the sample, when only some do
+    (or a sample has routes for its prompt but not its response, or the reverse): a
+    batch half replayed would train half its tokens through another routing."""
+    found = [(getattr(s, "prompt_routes", None), getattr(s, "routes", None)) for s in samples]
+    if all(p is None and r is None for p, r in found):
+        return None
+    out, shape = [], None
+    for i, (s, (prompt, response)) in enumerate(zip(samples, found)):
+        name = f"sample {i} (uid {getattr(s, 'uid', '?')!r})"
+        if response is None and not len(s.response_ids):
+            response = ()   # nothing generated: nothing to route
+        if prompt is None or response is None:
+            raise ValueError(f"routing replay: {name} has no routes for its "
+                             f"{'prompt' if prompt is None else 'response'}, while "
+                             f"other samples of the batch carry routes")
+        try:
+            r = np.asarray(tuple(prompt) + tuple(response), np.int32)
+        except ValueError:   # numpy's "inhomogeneous shape"
+            raise ValueError(f"routing replay: {name} has routes of ragged shape") from None
+        if r.ndim != 3 or (shape is not None and r.shape[1:] != shape):
+            raise ValueError(f"routing replay: {name} has routes of shape {r.shape[1:]} "
+                             f"(layers, top_k), expected {shape or '(L, K)'}")
+        shape = r.shape[1:]
+        out.append(r)
+    return out
+
+
+def _fill_routes(routes: Sequence[np.ndarray], place, rows: int, length: int) -> np.ndarray:
+    """`routes_BxTxLxK` laid out as `_fill` lays out `input_BxT`. Padding holds expert 0:
+    any valid id does, its positions are masked and their outputs never read."""
+    _, L, K = routes[0].shape
+    out = np.zeros((rows, length, L, K), np.int32)
+    for r, (row, start) in zip(routes, place):
+        # Inputs are tokens[:-1]: the last token is only a target, never routed.
+        out[row, start:start + len(r) - 1] = r[:-1]
     return out
 
 
