@@ -44,6 +44,7 @@ def test_roles_on_a_node_see_disjoint_gpus_of_those_ray_granted():
         visible_devices(["0", "1"], (1, 2))
 
 
+@pytest.mark.slow   # starts a two-node Ray cluster: the whole suite's, not the inner loop's
 def test_on_a_ray_cluster_each_role_sees_the_gpus_its_node_host_reserved(tmp_path):
     """A real Ray test cluster whose nodes declare GPUs (a 2, b 4: Ray's `GPU` resource,
     no devices): Ray grants each host its roles' GPUs, and each role's process sees its

@@ -1,12 +1,26 @@
 """Multi-turn episodes through the whole loop: real vLLM, relay, trainer and sandbox.
 
-The first tests use the math task's warm-started model (worked arithmetic, not tool
-calls) and put, under the name "tool_arith" in the controller's registry (the trainer
-process validates the name only), an environment whose turns end at each comma (the
-model's worked lines read "2*34+0=68, r=8") and whose every turn calls the calculator in
-the real sandbox, so episodes have several turns whatever the model knows of tool calls
-(the embedded tokenizer's encoder drops whitespace, so the fed text has none); one runs
-`--task.env tool_arith` itself, warm-started on tool calls.
+One job run proves three things (each job start costs tens of seconds, so they share
+it). It uses the math task's warm-started model (worked arithmetic, not tool calls) and
+puts, under the name "tool_arith" in the controller's registry (the trainer process
+validates the name only), an environment whose turns end at each comma (the model's
+worked lines read "2*34+0=68, r=8") and whose turns but the last call the calculator in
+the real kernel sandbox, so episodes have several turns whatever the model knows of tools
+(the embedded tokenizer's encoder drops whitespace, so the fed text has none). Each
+training tool call first runs a hostile python call in the sandbox, and the run's first
+tool call kills rollout0's vLLM server. The run then shows nothing of the attacks
+outlived it, the cut-off episodes resumed with their earlier turns intact, and the
+trainer trained on what vLLM sampled with the tool results masked, on the tool task's
+own prompts ("tool-train-").
+
+Not run end to end here: the real `--task.env tool_arith` environment (its <calc>
+parsing) on the tool-call model the job warm-starts for it. A run of that on the 20-step
+warm start wrote no tool call (one turn an episode), so it proved the job starts and
+trains on that model, not its tool calls. Elsewhere: the tool warm start builds a model
+that loads (tests/experiments/test_warm_start.py), the tool task's prompts reach the loop
+(tests/envs/test_env_registry.py), the environment runs its calls in the sandbox
+(tests/sandbox/test_hook_pool.py) and through the loop's episodes on fake servers
+(tests/envs/test_loop_episodes.py); nothing trains the tool model through the real loop.
 """
 
 import asyncio
@@ -169,59 +183,18 @@ for attempt in (lambda: _posixsubprocess.fork_exec(*args, False),
 """
 
 
-class AttackingToolArith(ENVS["tool_arith"]):
-    """tool_arith whose every training turn first runs a hostile tool call: a process
-    meant to outlive it, a SIGKILL to the controller, fifos in /tmp and /dev/shm, a
-    file in the run dir."""
-
-    code = ""
-    results: list = []
-
-    async def step(self, action, *, num_tokens=0):
-        if isinstance(self._runner, SandboxPool):   # training episodes' tools: the sandbox
-            self.results.append(await self._runner.call("python", {"code": self.code}))
-        return await super().step(action, num_tokens=num_tokens)
-
-
-def test_tool_arith_runs_through_the_loop_with_a_tool_that_attacks(tmp_path, cache_dir,
-                                                                   monkeypatch):
-    """The tool task trains in the kernel sandbox while every training turn's tool call
-    attacks; the run ends with nothing left behind: no process, no file outside the run
-    dir, the controller alive."""
-    run_dir = tmp_path / "run"
-    marker = f"fnrl-attack-{os.getpid()}-{time.monotonic_ns()}"
-    monkeypatch.setattr(AttackingToolArith, "code", ATTACK.format(
-        marker=marker, controller=os.getpid(), run_dir=run_dir))
-    monkeypatch.setattr(AttackingToolArith, "results", [])
-    monkeypatch.setitem(ENVS, "tool_arith", AttackingToolArith)
-    assert main(["--steps", "2", "--run-dir", str(run_dir), "--task.env", "tool_arith",
-                 "--warm-start.cache-dir", cache_dir, *SMALL]) == 0
-    info = json.loads((run_dir / "run_info.json").read_text())
-    assert info["sandbox"]["mode"] == "kernel", info["sandbox"]
-    attacks = AttackingToolArith.results
-    assert attacks and all(r.reason == "ok" and "attacked" in r.text for r in attacks)
-    left = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-            and marker.encode() in _read(p / "cmdline")]
-    assert not left, "a process a tool call started outlived the run"
-    escaped = [p for d in (Path("/tmp"), Path("/dev/shm"), run_dir) for p in d.glob(f"{marker}*")]
-    assert not escaped, f"a tool call wrote outside its sandbox: {escaped}"
-    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2]
-    assert all(r["turns_mean"] >= 1.0 and "tool_success_rate" in r for r in train)
-    names = [g["group"] for g in read_jsonl(run_dir / "trajectories.jsonl")]
-    # The tool task's own prompts (fnrl.data.tool_arith) were trained on, not arith's.
-    assert names and all(n.startswith("tool-train-") for n in names)
-    for t in (t for gs in logged_trajectories(run_dir).values() for g in gs for t in g):
-        assert t.response_ids and len(t.loss_mask) == len(t.response_ids)
-
-
 class CutCommaCalcEnv(CommaCalcEnv):
-    """CommaCalcEnv that a resumed episode can restore (each step's info keeps its
-    action and its calls' outcomes). The first tool call of the run kills rollout0's
-    vLLM server and then waits, like a slow tool, until the loop moves its trajectory
-    off the dead rollout (cancelling the call); `cut` notes where the pool's log stood."""
+    """CommaCalcEnv whose every training tool call first runs a hostile python call in
+    the sandbox (ATTACK: a process meant to outlive it, a SIGKILL to the controller, fifos
+    in /tmp and /dev/shm, a file in the run dir; `results` keeps what each returned), and
+    that a resumed episode can restore (each step's info keeps its action and its calls'
+    outcomes). The first tool call of the run kills rollout0's vLLM server and then
+    waits, like a slow tool, until the loop moves its trajectory off the dead rollout
+    (cancelling the call); `cut` notes where the pool's log stood."""
 
     run_dir = None
+    code = ""
+    results: list = []
     cut: dict = {}
     finished: list = []   # training episodes done: the kill waits for two, so rollout0
     # has made progress (a rollout lost before its first trajectory restarts the job)
@@ -229,8 +202,13 @@ class CutCommaCalcEnv(CommaCalcEnv):
     async def step(self, action, *, num_tokens=0):
         # Training episodes' tools run in the sandbox; held-out ones inline (not cut).
         training = isinstance(self.runner, SandboxPool)
-        if (training and not self.cut and len(self.finished) >= 2
-                and self.turns + 1 < MAX_TURNS and action.endswith(",")):
+        calls = self.turns + 1 < MAX_TURNS and action.endswith(",")
+        # The attack is part of the turn's tool call, so an episode in a step when the
+        # rollout dies is one whose call runs again on resuming (a final turn's step
+        # does not wait).
+        if training and calls:
+            self.results.append(await self.runner.call("python", {"code": self.code}))
+        if training and calls and not self.cut and len(self.finished) >= 2:
             log = self.run_dir / "partial_responses.log"
             self.cut["pool_bytes"] = log.stat().st_size
             os.kill(int(read_roles(self.run_dir / "roles.json")["rollout0"]["pid"]),
@@ -252,25 +230,29 @@ class CutCommaCalcEnv(CommaCalcEnv):
         self.ok = steps[-1]["ok"] if steps else 0
 
 
-def test_a_rollout_killed_during_a_tool_call_resumes_its_episodes_elsewhere(
-        tmp_path, cache_dir, arith_model, monkeypatch):
+def check_the_attacks_left_nothing_behind(run_dir, marker: str):
+    """Every attack ran to its end in the kernel sandbox and none of it outlived the run:
+    no process, no file outside the sandbox, the controller alive (this process)."""
+    info = json.loads((run_dir / "run_info.json").read_text())
+    assert info["sandbox"]["mode"] == "kernel", info["sandbox"]
+    attacks = CutCommaCalcEnv.results
+    assert attacks and all(r.reason == "ok" and "attacked" in r.text for r in attacks)
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+            and marker.encode() in _read(p / "cmdline")]
+    assert not left, "a process a tool call started outlived the run"
+    escaped = [p for d in (Path("/tmp"), Path("/dev/shm"), run_dir) for p in d.glob(f"{marker}*")]
+    assert not escaped, f"a tool call wrote outside its sandbox: {escaped}"
+
+
+def check_the_cut_episodes_resumed_with_their_earlier_turns(run_dir, snapshot_log):
     """Every episode in flight when rollout0 died, the one waiting on its tool call
     included, is consumed once, beginning with exactly the ids (and log-probs) it had
     before the kill: its earlier turns are intact and its tool call ran again."""
-    run_dir = tmp_path / "run"
-    monkeypatch.setattr(CutCommaCalcEnv, "run_dir", run_dir)
-    monkeypatch.setattr(CutCommaCalcEnv, "cut", {})
-    monkeypatch.setattr(CutCommaCalcEnv, "finished", [])
-    monkeypatch.setitem(ENVS, "tool_arith", CutCommaCalcEnv)
-    assert main(["--steps", "4", "--run-dir", str(run_dir), "--task.env", "tool_arith",
-                 "--warm-start.cache-dir", cache_dir, *SMALL, *arith_model]) == 0
-    assert CutCommaCalcEnv.cut, "no episode called its tool"
     faults = read_jsonl(run_dir / "faults.jsonl")
     # The rollout alone was restarted (a role restart, not the job's).
     assert {"failure", "recovered"} <= {f["event"] for f in faults if f.get("role") == "rollout0"}
     assert all(a.get("job_restart") is not True for a in read_jsonl(run_dir / "attempts.jsonl"))
     # The pool as it stood at the kill: a copy of its log up to that point.
-    snapshot_log = tmp_path / "pool_at_kill.log"
     snapshot_log.write_bytes((run_dir / "partial_responses.log").read_bytes()
                              [:CutCommaCalcEnv.cut["pool_bytes"]])
     with PartialResponsePool(snapshot_log) as snap:
@@ -299,5 +281,31 @@ def test_a_rollout_killed_during_a_tool_call_resumes_its_episodes_elsewhere(
             assert len(ids) > len(kept) and mask[len(kept)] == 0
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert train[-1]["episodes_resumed"] >= len([u for u in pending if u in consumed])
+
+
+def test_tool_calls_that_attack_and_a_rollout_killed_during_one_leave_the_run_whole(
+        tmp_path, cache_dir, arith_model, monkeypatch):
+    """One run, three things proven: every training tool call attacks from the sandbox
+    and nothing of it outlives the run; the episodes in flight when rollout0 was killed
+    during a tool call resume elsewhere with their earlier turns intact; and the run
+    trained on the ids vLLM sampled with the tool results masked, resumed episodes
+    included."""
+    run_dir = tmp_path / "run"
+    marker = f"fnrl-attack-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setattr(CutCommaCalcEnv, "run_dir", run_dir)
+    monkeypatch.setattr(CutCommaCalcEnv, "code", ATTACK.format(
+        marker=marker, controller=os.getpid(), run_dir=run_dir))
+    monkeypatch.setattr(CutCommaCalcEnv, "results", [])
+    monkeypatch.setattr(CutCommaCalcEnv, "cut", {})
+    monkeypatch.setattr(CutCommaCalcEnv, "finished", [])
+    monkeypatch.setitem(ENVS, "tool_arith", CutCommaCalcEnv)
+    assert main(["--steps", "4", "--run-dir", str(run_dir), "--task.env", "tool_arith",
+                 "--warm-start.cache-dir", cache_dir, *SMALL, *arith_model]) == 0
+    assert CutCommaCalcEnv.cut, "no episode called its tool"
+    check_the_attacks_left_nothing_behind(run_dir, marker)
+    check_the_cut_episodes_resumed_with_their_earlier_turns(run_dir, tmp_path / "pool_at_kill.log")
+    # The tool task's own prompts (fnrl.data.tool_arith) were trained on, not arith's.
+    names = [g["group"] for g in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert names and all(n.startswith("tool-train-") for n in names)
     # The same run trained what every multi-turn run must, the resumed episodes included.
     check_trained_on_the_sampled_ids_with_tool_results_masked(run_dir, steps=4)

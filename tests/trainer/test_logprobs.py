@@ -76,6 +76,7 @@ def test_chunked_values_and_gradients_match_unchunked(tied, chunk):
     assert sum(float(jnp.abs(a).sum()) for a in flat0) > 0
 
 
+@pytest.mark.slow   # compiles two full steps (the chunked log-prob paths: the tests above)
 def test_train_step_with_chunks_equals_unchunked():
     """PPO + entropy + KL to a reference over 2 micro-batches: every log-prob the step
     takes is chunked. Plain SGD, so the update is the gradient itself (Adam would

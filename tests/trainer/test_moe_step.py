@@ -31,6 +31,7 @@ def _step(graphdef, params, batch, algo, micro_batches=1):
     return jax.device_get(step(init_state(params, opt), batch)[1])
 
 
+@pytest.mark.slow   # compiles two full steps and three forward passes: the whole suite's
 def test_the_balance_term_and_the_router_statistics_are_the_forward_passes():
     graphdef, params = init_model(MOE, 0)
     batch = _batch(graphdef, params)

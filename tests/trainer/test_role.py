@@ -118,6 +118,7 @@ def test_a_restart_before_the_first_checkpoint_replays_from_the_model(tmp_path, 
     second.checkpoints.close()
 
 
+@pytest.mark.slow   # a second trainer role in bfloat16: the whole suite's, not the inner loop's
 def test_bf16_compute_bf16_serving_and_the_context_cap(tmp_path, tiny_model_dir):
     cfg = RunConfig(run_dir=str(tmp_path), trainer=TrainerConfig(compute_dtype="bfloat16"),
                     rollout=RolloutConfig(serve_dtype="bfloat16"),
