@@ -30,13 +30,20 @@ def describe(tasks: Iterable[asyncio.Task]) -> str:
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], grace_s: float) -> set[asyncio.Task]:
     """Cancels `tasks` and waits up to `grace_s` for them to end; returns those that did
-    not (after logging them)."""
-    tasks = {t for t in tasks if not t.done()}
-    for task in tasks:
+    not (after logging them). The errors of those that failed are taken (logged at debug
+    level): the caller is unwinding, its own error or result is the one that counts, and
+    an error never taken is printed as "Task exception was never retrieved" when the
+    task is collected (a full disk fails every stream writing to it)."""
+    tasks = set(tasks)
+    pending = {t for t in tasks if not t.done()}
+    for task in pending:
         task.cancel()
-    if not tasks:
-        return set()
-    _, stuck = await asyncio.wait(tasks, timeout=grace_s)
+    stuck: set[asyncio.Task] = set()
+    if pending:
+        _, stuck = await asyncio.wait(pending, timeout=grace_s)
+    for task in tasks - stuck:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("%s failed while the loop ended: %r", task.get_name(), task.exception())
     if stuck:
         log.error("%d task(s) did not end %g s after their cancellation:\n%s",
                   len(stuck), grace_s, describe(stuck))

@@ -1,6 +1,7 @@
 """fnrl.shell.aio: a job's event loop ends even when a task will not."""
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -59,3 +60,20 @@ def test_cancel_and_wait_returns_at_once_when_the_tasks_end():
 
     stuck, waited, tasks = aio.run(main())
     assert stuck == set() and waited < 30 and all(t.cancelled() for t in tasks)
+
+
+def test_the_errors_of_tasks_that_failed_are_taken_not_printed_at_collection(caplog):
+    """A full disk fails every stream task writing to it: the loop's end takes their
+    errors, so the job's log does not end in "Task exception was never retrieved"."""
+    async def full_disk():
+        raise OSError(28, "No space left on device")
+
+    async def main():
+        tasks = {asyncio.create_task(full_disk()) for _ in range(3)}
+        await asyncio.sleep(0)
+        await aio.cancel_and_wait(tasks, 5.0)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        aio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
