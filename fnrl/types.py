@@ -8,7 +8,8 @@ migrations append segments, so per-token versions are kept from the start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -24,29 +25,87 @@ class Problem:
     level: int
 
 
-Routes = tuple[tuple[tuple[int, ...], ...], ...]
-"""A mixture of experts' routing, per token: per layer, the experts the engine chose
-(token x layer x top_k, as nested tuples: hashable, and JSON as nested lists)."""
+@dataclass(frozen=True)
+class Routes:
+    """A mixture of experts' routing per position (rollout routing replay): for each
+    position, per MoE layer, the top_k experts the engine routed it to. One
+    [positions, layers, top_k] array held as bytes: uint8 while every expert id fits,
+    uint16 above (48 layers x top-8 is 384 bytes a position; nested Python ints took
+    about thirty times that). Immutable, hashable, compared by value; `array()` reads it."""
 
+    data: bytes
+    layers: int
+    top_k: int
+    itemsize: int = 1
+    """1: uint8 ids, 2: uint16."""
 
-def check_routes(routes: Routes | None, num_tokens: int, what: str) -> None:
-    """Raises ValueError unless `routes` (None: none recorded) has one entry per token.
-    Only the count: a segment is rebuilt on every streamed chunk, and the layers x top_k
-    shape is checked once, where the batch array is built (fnrl.trainer.batching)."""
-    if routes is not None and len(routes) != num_tokens:
-        raise ValueError(f"{what} has {num_tokens} tokens but routes for {len(routes)}")
+    def __post_init__(self):
+        if self.itemsize not in (1, 2) or self.layers < 1 or self.top_k < 1:
+            raise ValueError(f"routes of {self.layers} layers x top_k {self.top_k} "
+                             f"(itemsize {self.itemsize}): each must be positive, itemsize 1 or 2")
+        if len(self.data) % self._row:
+            raise ValueError(f"routes of {len(self.data)} bytes are not whole positions of "
+                             f"{self.layers} layers x top_k {self.top_k} x {self.itemsize} bytes")
 
+    @classmethod
+    def of(cls, array) -> Routes:
+        """From an integer [positions, layers, top_k] array (ValueError on any other shape,
+        or a negative expert id or one past uint16)."""
+        a = np.asarray(array)
+        if a.ndim != 3 or 0 in a.shape[1:] or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"routes must be an integer [positions, layers, top_k] array, "
+                             f"got {a.dtype} of shape {a.shape}")
+        top = int(a.max()) if a.size else 0
+        if a.size and (int(a.min()) < 0 or top >= 1 << 16):
+            raise ValueError(f"routes hold expert ids from {int(a.min())} to {top}: "
+                             "an id is at least 0 and below 65,536")
+        dtype = np.uint8 if top < 256 else np.uint16
+        return cls(np.ascontiguousarray(a, dtype).tobytes(), a.shape[1], a.shape[2],
+                   np.dtype(dtype).itemsize)
 
-def concat_routes(parts: tuple[Routes | None, ...], what: str) -> Routes | None:
-    """The routes of consecutive pieces joined; None when no piece has any. Pieces with
-    and without routes do not join: the tokens without would train through the
-    trainer's own router while the rest replay the engine's."""
-    if all(p is None for p in parts):
-        return None
-    if any(p is None for p in parts):
-        raise ValueError(f"{what}: some pieces carry routes and some do not "
-                         f"({['none' if p is None else len(p) for p in parts]})")
-    return tuple(r for p in parts for r in p)
+    @property
+    def _row(self) -> int:
+        return self.layers * self.top_k * self.itemsize
+
+    def __len__(self) -> int:
+        return len(self.data) // self._row
+
+    def array(self) -> np.ndarray:
+        """The [positions, layers, top_k] ids (a read-only view of the bytes)."""
+        return np.frombuffer(self.data, np.uint8 if self.itemsize == 1 else np.uint16).reshape(
+            -1, self.layers, self.top_k)
+
+    def __getitem__(self, positions: slice) -> Routes:
+        start, stop, step = positions.indices(len(self))
+        if step != 1:
+            raise ValueError("routes are sliced by a contiguous range of positions")
+        return replace(self, data=self.data[start * self._row:max(start, stop) * self._row])
+
+    def __add__(self, other: Routes) -> Routes:
+        """The positions of `self` then `other` (the same layers x top_k)."""
+        if (other.layers, other.top_k) != (self.layers, self.top_k):
+            raise ValueError(f"routes of {self.layers} layers x top_k {self.top_k} cannot "
+                             f"join routes of {other.layers} x {other.top_k}")
+        if other.itemsize == self.itemsize:
+            return replace(self, data=self.data + other.data)
+        return Routes.of(np.concatenate([self.array().astype(np.int32),
+                                         other.array().astype(np.int32)]))
+
+    def padded(self, positions: int) -> Routes:
+        """Extended to `positions` with rows of expert 0 (positions no forward reads)."""
+        missing = positions - len(self)
+        if missing < 0:
+            raise ValueError(f"routes cover {len(self)} positions, more than {positions}")
+        return replace(self, data=self.data + bytes(missing * self._row))
+
+    def to_json(self) -> dict:
+        return {"layers": self.layers, "top_k": self.top_k, "itemsize": self.itemsize,
+                "b64": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Routes:
+        return cls(base64.b64decode(obj["b64"], validate=True), int(obj["layers"]),
+                   int(obj["top_k"]), int(obj.get("itemsize", 1)))
 
 
 @dataclass(frozen=True)
@@ -58,15 +117,11 @@ class Segment:
     """True for ids fed to the model that it did not sample (a tool's result in a
     multi-turn episode): trained with mask 0, log-probs 0, and `version` that of the
     sampled turn before them, so staleness bookkeeping is unchanged."""
-    routes: Routes | None = None
-    """Per token, the experts the engine routed it to (rollout routing replay); None:
-    not recorded (a dense model, or routing replay off)."""
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"segment has {len(self.token_ids)} tokens but "
                              f"{len(self.logprobs)} log-probs")
-        check_routes(self.routes, len(self.token_ids), "segment")
 
 
 @dataclass(frozen=True)
@@ -78,12 +133,16 @@ class Trajectory:
     reward: float | None = None  # None: invalid (e.g. a non-finite reward), never trained on
     tool_calls: int = 0          # tool calls its environment ran (multi-turn episodes)
     tool_ok: int = 0             # of which ended "ok"
-    prompt_routes: Routes | None = None
-    """Per prompt token, the experts the engine routed it to: the trainer's forward runs
-    over prompt + response, so a replay needs both (None: not recorded)."""
+    routes: Routes | None = None
+    """Rollout routing replay: per position of prompt + response, the experts the engine
+    routed it to (the trainer's forward runs over both); the last token, which is only a
+    target, holds expert 0. None: not recorded (a dense model, or replay off)."""
 
     def __post_init__(self):
-        check_routes(self.prompt_routes, len(self.prompt_ids), f"trajectory {self.uid!r}'s prompt")
+        positions = len(self.prompt_ids) + sum(len(s.token_ids) for s in self.segments)
+        if self.routes is not None and len(self.routes) != positions:
+            raise ValueError(f"trajectory {self.uid!r} has {positions} positions (prompt + "
+                             f"response) but routes for {len(self.routes)}")
 
     @property
     def response_ids(self) -> tuple[int, ...]:
@@ -92,13 +151,6 @@ class Trajectory:
     @property
     def logprobs(self) -> tuple[float, ...]:
         return tuple(lp for s in self.segments for lp in s.logprobs)
-
-    @property
-    def routes(self) -> Routes | None:
-        """Per response token, the engine's routes (None: no segment recorded them; an
-        empty segment has no say)."""
-        return concat_routes(tuple(s.routes for s in self.segments if s.token_ids),
-                             f"trajectory {self.uid!r}'s segments")
 
     @property
     def versions(self) -> tuple[int, ...]:
@@ -335,13 +387,19 @@ class Completion:
 @dataclass(frozen=True)
 class StreamChunk:
     """Tokens a streaming request produced since its previous chunk (often one), with
-    their log-probs; `finish_reason` is set on the last chunk only. `routes`: per token,
-    the experts the engine routed it to, when it reports them (rollout routing replay)."""
+    their log-probs; `finish_reason` is set on the last chunk only.
+
+    `routes` (rollout routing replay, on the last chunk of a request that asked for them
+    from position `routes_from` of its context): per position of the request's prompt +
+    generated tokens from `routes_from` on, the experts the engine routed it to when it
+    fed that position. The last generated token is never fed, so it has none."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str | None
     routes: Routes | None = None
+    routes_from: int = 0
 
     def __post_init__(self):
-        check_routes(self.routes, len(self.token_ids), "stream chunk")
+        if self.routes is not None and self.finish_reason is None:
+            raise ValueError("routes come on a request's last chunk (with its finish_reason)")

@@ -23,6 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fnrl.control.replay_routes import complete_routes, record_routes, routes_request
 from fnrl.envs.base import ToolRunner
 from fnrl.envs.episode import Episode, Resume, can_resume, run_episode
 from fnrl.envs.registry import make_env
@@ -114,7 +115,8 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
                          stop_ids: tuple[int, ...], max_new_tokens: int,
                          sampling: dict[str, Any], request_id: str,
                          on_tokens: Callable[[int], None],
-                         on_resumed: Callable[[int], None] = lambda n: None) -> EpisodeOutcome:
+                         on_resumed: Callable[[int], None] = lambda n: None,
+                         replay: bool = False) -> EpisodeOutcome:
     """Runs one episode of `env_name` on `problem` over rollout `handle`, writing every
     turn to `pool[uid]` (sampled turns as they stream, each turn's end, each environment
     step and its fed observation); returns the environment's reward and tool facts.
@@ -124,7 +126,9 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
     `version()` is the version the rollout serves now (a turn's tokens carry it);
     `sampling`: temperature, top_p, top_k, seed (None or a base seed, offset per turn);
     `on_tokens(n)`: n more sampled tokens streamed (progress, counters);
-    `on_resumed(n)`: the episode resumes with n sampled tokens already in the pool."""
+    `on_resumed(n)`: the episode resumes with n sampled tokens already in the pool;
+    `replay`: each turn asks the engine for its routes (fnrl.control.replay_routes), fed
+    observations included, and the episode ends with every position's."""
     env = GuardedEnv(make_env(env_name, **env_kwargs(env_name, runner)), env_name)
     resume = (pooled_resume(pool.get(uid)) if uid in pool and can_resume(env)
               and pool.get(uid).prompt_ids == prompt_ids else None)
@@ -153,7 +157,8 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
             context, max_tokens=budget, temperature=sampling["temperature"],
             top_p=sampling["top_p"], top_k=sampling["top_k"],
             seed=None if seed is None else seed + len(context), stop_token_ids=stop_ids,
-            request_id=f"{request_id}:{len(context)}", stop=stop)
+            request_id=f"{request_id}:{len(context)}", stop=stop,
+            **routes_request(pool, uid, replay))
         async with contextlib.aclosing(stream):
             async for chunk in stream:
                 if chunk.token_ids:
@@ -162,6 +167,7 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
                     ids.extend(chunk.token_ids)
                     lps.extend(chunk.logprobs)
                     on_tokens(len(chunk.token_ids))
+                record_routes(pool, uid, chunk)
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason
                     break
@@ -182,6 +188,10 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
         with contextlib.suppress(EnvError):
             await env.close()
     check_pool_matches(pool.get(uid), episode)
+    if replay:
+        await complete_routes(pool, uid, handle, request_id=request_id,
+                              sampling={k: sampling[k] for k in ("temperature", "top_p", "top_k",
+                                                                 "seed")})
     info = episode.info
     return EpisodeOutcome(reward=episode.reward, finish_reason=episode.finish_reason,
                           turns=episode.num_sampled_turns,

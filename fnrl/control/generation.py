@@ -27,6 +27,7 @@ from fnrl.control.book import Book, Services, TaskIO
 from fnrl.control.episodes import EpisodeOutcome, stream_episode
 from fnrl.control.eval_lane import record_eval, score_heldout
 from fnrl.control.handles import RelayTierHandle, RolloutHandle, ServerError, ToolsHandle
+from fnrl.control.replay_routes import complete_routes, record_routes, routes_request
 from fnrl.control.trajectories import IN_TS, TrajectoryTable, Tracked
 from fnrl.control.workload import forced_length
 from fnrl.data.partial_pool import PartialResponsePool
@@ -88,6 +89,11 @@ class Generation:
     @property
     def multi_turn(self) -> bool:
         return self.cfg.task.env != "math"
+
+    @property
+    def replay(self) -> bool:
+        """Rollout routing replay: every request asks the engine for its routes."""
+        return self.cfg.model.routing_replay == "replay"
 
     async def start(self) -> None:
         """KV capacities, and one request per server first, so no server's first batch
@@ -242,21 +248,27 @@ class Generation:
             stream = rollout.handle.generate_stream(
                 t.prompt_ids + streamed, max_tokens=budget, temperature=cfg.algo.temperature,
                 top_p=cfg.algo.top_p, top_k=cfg.algo.top_k, seed=seed, stop_token_ids=() if forced else self.task.stop_ids,
-                ignore_eos=forced, request_id=f"{t.uid}#{t.placements}")
+                ignore_eos=forced, request_id=f"{t.uid}#{t.placements}",
+                **routes_request(self.pool, t.uid, self.replay))
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     if chunk.token_ids:
                         # Durable before it counts: an interrupt or crash keeps it.
-                        self.pool.append(t.uid, version, chunk.token_ids, chunk.logprobs,
-                                         routes=chunk.routes)
+                        self.pool.append(t.uid, version, chunk.token_ids, chunk.logprobs)
                         t.tokens += len(chunk.token_ids)
                         t.started = True
                         book.generated_tokens += len(chunk.token_ids)
                         rollout.tokens += len(chunk.token_ids)
                         self.progress.streamed(rid)
+                    record_routes(self.pool, t.uid, chunk)
                     if chunk.finish_reason is not None:
                         reason = chunk.finish_reason
                         break
+        if self.replay:
+            book.counts["routes_requests"] += await complete_routes(
+                self.pool, t.uid, rollout.handle, request_id=f"{t.uid}#{t.placements}",
+                sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
+                              top_k=cfg.algo.top_k, seed=seed))
         self.pool.finish(t.uid, reason)
         t.finished = True
         rollout.complete += 1
@@ -292,7 +304,7 @@ class Generation:
             sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
                           top_k=cfg.algo.top_k, seed=seed),
             request_id=f"{t.uid}#{t.placements}", on_tokens=on_tokens, on_resumed=on_resumed,
-            on_env_error=self._env_error)
+            on_env_error=self._env_error, replay=self.replay)
         if before is not None and before.segments:
             book.counts["episodes_resumed" if outcome.resumed else "episodes_restarted"] += 1
         self.outcomes[t.uid] = outcome
@@ -349,7 +361,7 @@ class Generation:
                 reward = self.reward(ids, rec.problem.answer)
             self.book.invalid_trajectories += reward is None
             trajs.append(Trajectory(uid=m.uid, prompt_ids=item.prompt_ids, segments=item.segments,
-                                    prompt_routes=item.prompt_routes,
+                                    routes=item.trajectory_routes(),
                                     finish_reason=item.finish_reason, reward=reward,
                                     tool_calls=outcome.tool_calls if outcome else 0,
                                     tool_ok=outcome.tool_ok if outcome else 0))

@@ -111,10 +111,13 @@ class RolloutHandle(Protocol):
                         temperature: float, seed: int | None = None,
                         stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                         request_id: str | None = None, top_p: float = 1.0,
-                        top_k: int = -1, stop: Sequence[str] = ()) -> AsyncIterator[StreamChunk]:
+                        top_k: int = -1, stop: Sequence[str] = (),
+                        routes_from: int | None = None) -> AsyncIterator[StreamChunk]:
         """Streams the tokens and log-probs of one sample (log μ: the distribution it
         is sampled from, top_k and top_p applied); closing it aborts the request.
-        `stop` strings end it too (multi-turn turns only)."""
+        `stop` strings end it too (multi-turn turns only). `routes_from` (routing
+        replay): the last chunk carries the engine's routes of every position of prompt
+        + sample from there on (StreamChunk.routes)."""
 
     async def pull(self, relay_address: str, *, min_version: int = -1,
                    relay_timeout_s: float = 30.0) -> int:

@@ -9,10 +9,10 @@ and the payload is one of
     {"op": "start",  "uid", "prompt"}             a trajectory enters the pool
     {"op": "tokens", "uid", "v", "ids", "lps"}    tokens streamed under version v
                                                   ("fed": true: ids fed, not sampled)
-    {"op": "prompt_routes", "uid", "routes"}      the engine's routes of the prompt
-and, under rollout routing replay (a mixture of experts), "tokens" (and "start") carry
-"routes" (and "prompt_routes"): per token, per layer, the experts the engine chose, as
-nested JSON lists. A log without them reads as a run without routes.
+    {"op": "routes", "uid", "from", "routes"}     rollout routing replay (a mixture of
+                                                  experts): the engine's routes of the
+                                                  positions (prompt + response) from
+                                                  "from" on (fnrl.types.Routes.to_json)
     {"op": "finish", "uid", "reason"}             generation ended (multi-turn: with
                                                   "outcome", the environment's grade)
     {"op": "drop",   "uid"}                       consumed or aborted: forget it
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fnrl.shell.files import write_atomic
-from fnrl.types import Routes, Segment, check_routes, concat_routes
+from fnrl.types import Routes, Segment
 
 _HEADER = struct.Struct("<II")
 
@@ -87,12 +87,26 @@ class PartialResponse:
     outcome: dict[str, Any] | None = None
     """Multi-turn: the finished episode's reward and tool facts, so a restarted
     controller rewards it as the environment graded it."""
-    prompt_routes: Routes | None = None
-    """Routing replay: the engine's routes of the prompt tokens, as first reported."""
+    routes: Routes | None = None
+    """Routing replay: the engine's routes of the first positions of prompt + response,
+    each as first reported (a request reports from the first position not yet covered)."""
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.segments)
+
+    @property
+    def positions(self) -> int:
+        """Prompt + response tokens: the positions routes are recorded for."""
+        return len(self.prompt_ids) + self.num_tokens
+
+    def trajectory_routes(self) -> Routes | None:
+        """The routes a Trajectory of this item carries: every position's, the last
+        token's (never fed to the engine, only a target) as expert 0. None when any other
+        position has none (not recorded, or a request cut off before it reported)."""
+        if self.routes is None or len(self.routes) < self.positions - 1:
+            return None
+        return self.routes[:self.positions].padded(self.positions)
 
 
 class PartialResponsePool:
@@ -112,49 +126,53 @@ class PartialResponsePool:
 
     # --- writing -------------------------------------------------------------------
 
-    def start(self, uid: str, prompt_ids: Sequence[int], *,
-              prompt_routes: Routes | None = None) -> None:
+    def start(self, uid: str, prompt_ids: Sequence[int]) -> None:
         if uid in self._items:
             raise ValueError(f"trajectory {uid!r} is already in the pool")
-        check_routes(prompt_routes, len(prompt_ids), f"trajectory {uid!r}'s prompt")
-        record = {"op": "start", "uid": uid, "prompt": [int(t) for t in prompt_ids]}
-        if prompt_routes is not None:
-            record["prompt_routes"] = _routes_json(prompt_routes)
-        self._write(record)
-
-    def set_prompt_routes(self, uid: str, routes: Routes) -> bool:
-        """Records the engine's routes of the prompt, unless some are already recorded
-        (returns whether it wrote). The first placement's are kept: a continued request
-        re-prefills the prompt, perhaps under a newer version, and reports it again."""
-        item = self._live(uid)
-        if item.prompt_routes is not None:
-            return False
-        check_routes(routes, len(item.prompt_ids), f"trajectory {uid!r}'s prompt")
-        self._write({"op": "prompt_routes", "uid": uid, "routes": _routes_json(routes)})
-        return True
+        self._write({"op": "start", "uid": uid, "prompt": [int(t) for t in prompt_ids]})
 
     def append(self, uid: str, version: int, token_ids: Sequence[int],
-               logprobs: Sequence[float], *, fed: bool = False,
-               routes: Routes | None = None) -> None:
-        """Tokens streamed under `version`; `routes`: per token, the engine's experts
-        (routing replay). A trajectory's tokens all carry routes or none do."""
+               logprobs: Sequence[float], *, fed: bool = False) -> None:
+        """Tokens streamed under `version` (`fed`: fed to the model, not sampled)."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs")
-        check_routes(routes, len(token_ids), f"trajectory {uid!r}'s tokens")
-        item = self._live(uid)
-        # Checked before the write: a record the replay could not merge would make the
-        # log unreadable on the next open.
-        if item.segments and (item.segments[-1].routes is None) != (routes is None):
-            raise ValueError(f"trajectory {uid!r}: {len(token_ids)} tokens "
-                             f"{'without' if routes is None else 'with'} routes after "
-                             f"{item.num_tokens} {'with' if routes is None else 'without'}")
+        self._live(uid)
         record = {"op": "tokens", "uid": uid, "v": int(version),
                   "ids": [int(t) for t in token_ids], "lps": [float(x) for x in logprobs]}
         if fed:   # only multi-turn records carry the key: single-turn logs are unchanged
             record["fed"] = True
-        if routes is not None:
-            record["routes"] = _routes_json(routes)
         self._write(record)
+
+    def routes_covered(self, uid: str) -> int:
+        """How many positions (prompt + response, from the first) have routes recorded:
+        where a request for `uid` asks the engine to report routes from."""
+        routes = self._live(uid).routes
+        return 0 if routes is None else len(routes)
+
+    def add_routes(self, uid: str, start: int, routes: Routes) -> int:
+        """Records the engine's routes of positions `start`.. of `uid`'s prompt + response
+        (a request's report, `StreamChunk.routes`); positions already covered keep the
+        routes first reported (a continued request re-prefills them, perhaps under a
+        newer version). Returns how many positions were added. ValueError when the report
+        starts past the covered positions (a gap), or covers positions the trajectory
+        does not have."""
+        item = self._live(uid)
+        covered = 0 if item.routes is None else len(item.routes)
+        positions = item.positions
+        if start > covered or start + len(routes) > positions:
+            raise ValueError(f"trajectory {uid!r}: routes for positions {start}.."
+                             f"{start + len(routes) - 1}, but {covered} of its {positions} "
+                             "positions are covered (a report starts at or before the first "
+                             "uncovered one and ends within the trajectory)")
+        new = routes[covered - start:]
+        if not len(new):
+            return 0
+        if item.routes is not None and (new.layers, new.top_k) != (item.routes.layers,
+                                                                   item.routes.top_k):
+            raise ValueError(f"trajectory {uid!r}: routes of {new.layers} layers x top_k "
+                             f"{new.top_k} after {item.routes.layers} x {item.routes.top_k}")
+        self._write({"op": "routes", "uid": uid, "from": covered, "routes": new.to_json()})
+        return len(new)
 
     def finish(self, uid: str, reason: str, *, outcome: dict[str, Any] | None = None) -> None:
         if uid not in self._items:
@@ -207,13 +225,14 @@ class PartialResponsePool:
         self._counts = {}
         for item in self._items.values():
             records.append(self._numbered({"op": "start", "uid": item.uid,
-                                           "prompt": list(item.prompt_ids),
-                                           **_routes_field("prompt_routes", item.prompt_routes)}))
+                                           "prompt": list(item.prompt_ids)}))
             for s in item.segments:
                 records.append(self._numbered({"op": "tokens", "uid": item.uid, "v": s.version,
                                                "ids": list(s.token_ids), "lps": list(s.logprobs),
-                                               **({"fed": True} if s.fed else {}),
-                                               **_routes_field("routes", s.routes)}))
+                                               **({"fed": True} if s.fed else {})}))
+            if item.routes is not None:
+                records.append(self._numbered({"op": "routes", "uid": item.uid, "from": 0,
+                                               "routes": item.routes.to_json()}))
             # Steps after the tokens: the pending-turn flag is the last record's state.
             records += [self._numbered({"op": "env_step", "uid": item.uid, "info": info})
                         for info in item.env_steps]
@@ -256,22 +275,22 @@ class PartialResponsePool:
     def _apply(self, r: dict) -> None:
         uid, op = r["uid"], r["op"]
         if op == "start":
-            self._items[uid] = PartialResponse(uid, tuple(r["prompt"]), (), None,
-                                               prompt_routes=_routes(r.get("prompt_routes")))
-        elif op == "prompt_routes":
-            self._items[uid] = replace(self._items[uid], prompt_routes=_routes(r["routes"]))
+            self._items[uid] = PartialResponse(uid, tuple(r["prompt"]), (), None)
+        elif op == "routes":
+            item = self._items[uid]
+            new = Routes.from_json(r["routes"])
+            old = item.routes[:int(r["from"])] if item.routes is not None else None
+            self._items[uid] = replace(item, routes=new if old is None else old + new)
         elif op == "tokens":
             item = self._items[uid]
             segs = item.segments
-            new = Segment(r["v"], tuple(r["ids"]), tuple(r["lps"]), bool(r.get("fed", False)),
-                          _routes(r.get("routes")))
+            new = Segment(r["v"], tuple(r["ids"]), tuple(r["lps"]), bool(r.get("fed", False)))
             # Fed segments stay whole: one per environment step (a resumed episode
             # pairs each with its step's info).
             if segs and not new.fed and (segs[-1].version, segs[-1].fed) == (new.version, False):
                 last = segs[-1]
                 new = Segment(last.version, last.token_ids + new.token_ids,
-                              last.logprobs + new.logprobs, last.fed,
-                              concat_routes((last.routes, new.routes), f"trajectory {uid!r}"))
+                              last.logprobs + new.logprobs, last.fed)
                 segs = segs[:-1]
             self._items[uid] = replace(item, segments=segs + (new,), turn_closed=False)
         elif op == "turn_end":
@@ -370,23 +389,6 @@ def _next_record(data: bytes, pos: int) -> int | None:
         if _decode(data, p) is not None:
             return p
     return None
-
-
-def _routes_json(routes: Routes) -> list:
-    """Nested lists of ints (numpy integers included) for the JSON payload."""
-    return [[[int(e) for e in layer] for layer in token] for token in routes]
-
-
-def _routes_field(key: str, routes: Routes | None) -> dict:
-    """`{key: routes}` for a record, or nothing: logs without routes stay as they were."""
-    return {} if routes is None else {key: _routes_json(routes)}
-
-
-def _routes(obj: list | None) -> Routes | None:
-    """A record's routes as nested tuples (absent: None, as in logs from before them)."""
-    if obj is None:
-        return None
-    return tuple(tuple(tuple(layer) for layer in token) for token in obj)
 
 
 def _encode(record: dict) -> bytes:

@@ -342,7 +342,8 @@ def server_specs(cfg: RunConfig, model_dir: Path) -> list[ServerSpec]:
                        kv_memory_fraction=cfg.rollout.kv_memory_fraction, seed=cfg.seed + rid,
                        dtype=cfg.rollout.serve_dtype, host=cfg.cluster.bind_host,
                        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-                       require_api_key=cfg.cluster.require_api_key)
+                       require_api_key=cfg.cluster.require_api_key,
+                       return_routes=cfg.model.routing_replay == "replay")
             for rid in range(cfg.rollout.num_servers)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import io
 import json
 import math
@@ -15,7 +16,7 @@ import aiohttp
 import numpy as np
 
 from fnrl.shell import auth
-from fnrl.types import Completion, ServerError, StreamChunk  # noqa: F401 - re-exported
+from fnrl.types import Completion, Routes, ServerError, StreamChunk  # noqa: F401 - re-exported
 
 # Knobs the trainer cannot reproduce pinned to "no change", so the behaviour policy is
 # the temperature-scaled softmax truncated by top_k and top_p, nothing else.
@@ -117,6 +118,7 @@ class RolloutClient:
         top_p: float = 1.0,
         top_k: int = -1,
         stop: Sequence[str] = (),
+        routes_from: int | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """One continuation of `prompt_ids`, streamed as it is sampled (server-sent events).
 
@@ -127,13 +129,28 @@ class RolloutClient:
         tokens takes as long as it takes, a server that stops answering fails.
         `stop`: strings that end the sample (a tool call's closing tag); the ids that
         made the string are streamed like any other.
+
+        `routes_from` (rollout routing replay; the server started with
+        `--enable-scale-out --enable-return-routed-experts`): the request goes to vLLM's
+        token endpoint, `/inference/v1/generate`, the one whose stream reports routes
+        (`/v1/completions` reports them only unstreamed), and its last chunk carries the
+        engine's routes of every position of prompt + sample from `routes_from` on
+        (`StreamChunk.routes`). A last chunk without them is a ServerError.
         """
-        body = await self._completion_body(prompt_ids, n=1, max_tokens=max_tokens,
-                                           temperature=temperature, seed=seed,
-                                           stop_token_ids=stop_token_ids, request_id=request_id,
-                                           top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
-                                           stream=True, **_stops(stop))
-        url = self.base_url + "/v1/completions"
+        if routes_from is None:
+            body = await self._completion_body(
+                prompt_ids, n=1, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                stop_token_ids=stop_token_ids, request_id=request_id, top_p=top_p, top_k=top_k,
+                ignore_eos=ignore_eos, stream=True, **_stops(stop))
+            url, parse = self.base_url + "/v1/completions", self._stream_chunk
+        else:
+            body = self._generate_body(
+                prompt_ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                stop_token_ids=stop_token_ids, request_id=request_id, top_p=top_p, top_k=top_k,
+                ignore_eos=ignore_eos, routes_from=routes_from, **_stops(stop))
+            url = self.base_url + "/inference/v1/generate"
+            parse = functools.partial(self._generate_chunk, context=len(prompt_ids),
+                                      routes_from=routes_from, generated=[0])
         for attempt in range(2):
             yielded = False
             try:
@@ -153,7 +170,7 @@ class RolloutClient:
                         if data == b"[DONE]":
                             return
                         yielded = True
-                        yield self._stream_chunk(json.loads(data))
+                        yield parse(json.loads(data))
                     return
             except asyncio.TimeoutError:
                 raise ServerError(f"POST {url}: no answer for {self.timeout_s:g} s") from None
@@ -257,6 +274,58 @@ class RolloutClient:
             raise ServerError(f"server {self.base_url}: bad log-probs {logprobs[:8]}")
         return StreamChunk(token_ids, logprobs, choice.get("finish_reason"))
 
+    @staticmethod
+    def _generate_body(prompt_ids: Sequence[int], *, max_tokens: int, temperature: float,
+                       seed: int | None, stop_token_ids: Sequence[int], request_id: str | None,
+                       top_p: float, top_k: int, ignore_eos: bool, routes_from: int,
+                       stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> dict:
+        """The /inference/v1/generate request: the sampling of `_completion_body`, in
+        vLLM's SamplingParams fields, streamed as token ids and log-probs."""
+        body = {
+            "token_ids": [int(t) for t in prompt_ids],
+            "sampling_params": {
+                "n": 1, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                "top_p": top_p, "top_k": top_k, "ignore_eos": ignore_eos,
+                "stop_token_ids": [int(t) for t in stop_token_ids], "logprobs": 0,
+                "skip_special_tokens": False, "routed_experts_prompt_start": int(routes_from),
+                # Stop strings are matched on text: only then is the sample detokenized.
+                "stop": list(stop), "include_stop_str_in_output": include_stop_str_in_output,
+                "detokenize": bool(stop), **_NEUTRAL_SAMPLING},
+            "output_mode": "tokens",
+            "stream": True,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        return body
+
+    def _generate_chunk(self, chunk: dict, *, context: int, routes_from: int,
+                        generated: list[int]) -> StreamChunk:
+        """A /inference/v1/generate stream chunk; `generated` counts the request's tokens
+        so far (one cell, updated here), so the last chunk's routes are checked against
+        the positions they must cover."""
+        if "error" in chunk:
+            raise ServerError(f"server {self.base_url}: stream error {chunk['error']}")
+        (choice,) = chunk["choices"]
+        token_ids = tuple(int(t) for t in choice.get("token_ids") or ())
+        content = (choice.get("logprobs") or {}).get("content") or ()
+        if tuple(int(c["token_id"]) for c in content) != token_ids:
+            raise ServerError(f"server {self.base_url}: token ids and log-prob tokens differ")
+        logprobs = tuple(float(c["logprob"]) for c in content)
+        if any(math.isnan(x) for x in logprobs):
+            raise ServerError(f"server {self.base_url}: bad log-probs {logprobs[:8]}")
+        generated[0] += len(token_ids)
+        reason = choice.get("finish_reason")
+        if reason is None:
+            return StreamChunk(token_ids, logprobs, None)
+        if choice.get("routed_experts") is None:
+            raise ServerError(f"server {self.base_url}: routes were asked for (routing replay) "
+                              "but the last chunk has none: was it started with "
+                              "--enable-return-routed-experts?")
+        routes = decode_routed_experts(choice["routed_experts"],
+                                       positions=context + generated[0] - routes_from)
+        return StreamChunk(token_ids, logprobs, str(reason), routes=routes,
+                           routes_from=routes_from)
+
     async def _post(self, path: str, body: dict | None, timeout_s: float) -> dict:
         return await self._request("POST", path, body, timeout_s, text=False)
 
@@ -295,30 +364,23 @@ class RolloutClient:
                 raise ServerError(f"{method} {url} failed: {type(e).__name__}: {e}") from e
 
 
-def decode_routed_experts(payload: str, *, tokens: int, layers: int, top_k: int) -> np.ndarray:
-    """vLLM's `routed_experts` (`--enable-return-routed-experts`, a non-streamed choice's
-    field) as [tokens, layers, top_k] int32: per token of prompt + completion, per layer,
-    the experts the engine routed it to. The payload is a base64 `.npy` (numpy.save).
-
-    Some vLLM versions report tokens - 1 positions: the last sampled token is never fed
-    back. Positions align from the first token, and the missing last row is expert 0:
-    that token is only ever a target, so the trainer reads no routes for it
-    (fnrl.trainer.batching). Any other count, or another layers x top_k, is a ServerError.
-    """
+def decode_routed_experts(payload: str, *, positions: int) -> Routes:
+    """vLLM's `routed_experts` field (`--enable-return-routed-experts`): a base64 `.npy`
+    (numpy.save) of [positions, layers, top_k] expert ids, for the `positions` of the
+    request's prompt + sample it reports (from its `routed_experts_prompt_start`).
+    vLLM reports one fewer, the last sampled token never having been fed; both counts
+    are taken as they are (fnrl.data.partial_pool pads that last position). Any other
+    count or shape is a ServerError."""
     try:
         array = np.load(io.BytesIO(base64.b64decode(payload, validate=True)),
                         allow_pickle=False)
+        if array.shape[:1] not in ((positions,), (positions - 1,)):
+            raise ServerError(f"routed_experts covers {array.shape[:1]} positions where the "
+                              f"request reports {positions - 1} (or {positions})")
+        return Routes.of(array)
     except (binascii.Error, ValueError, EOFError, OSError) as e:
-        raise ServerError(f"routed_experts is not a base64 .npy array: {e}") from None
-    if array.ndim != 3 or array.shape[1:] != (layers, top_k):
-        raise ServerError(f"routed_experts has shape {array.shape}; expected "
-                          f"[{tokens} tokens, {layers} layers, {top_k} top_k]")
-    if array.shape[0] not in (tokens, tokens - 1):
-        raise ServerError(f"routed_experts covers {array.shape[0]} positions for {tokens} "
-                          f"tokens (prompt + completion): expected {tokens} or {tokens - 1}")
-    out = np.zeros((tokens, layers, top_k), np.int32)
-    out[:len(array)] = array
-    return out
+        raise ServerError(f"routed_experts is not a base64 .npy [positions, layers, top_k] "
+                          f"array: {e}") from None
 
 
 def _same_version(results: list, base_url: str) -> int:

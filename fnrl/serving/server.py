@@ -102,6 +102,9 @@ class ServerSpec:
     visible_devices: str = ""
     """The server's CUDA_VISIBLE_DEVICES, e.g. "2,3" (the Ray backend's share of its
     node's GPUs); "": the environment's as it is."""
+    return_routes: bool = False
+    """Rollout routing replay: serve vLLM's token endpoint (`--enable-scale-out`), whose
+    stream reports each request's routes (`--enable-return-routed-experts`)."""
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -345,6 +348,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         "--no-enable-log-requests",
         "--disable-uvicorn-access-log",
         *(["--middleware", API_KEY_MIDDLEWARE] if spec.requires_api_key else []),
+        *(["--enable-scale-out", "--enable-return-routed-experts"] if spec.return_routes else []),
         *spec.extra_args,
     ]  # fmt: skip
 

@@ -35,8 +35,10 @@ import selectors
 import signal
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fnrl.control.handles import RelayEvent, TrainResult
-from fnrl.types import Completion, RoleError, ServerError, StreamChunk
+from fnrl.types import Completion, RoleError, Routes, ServerError, StreamChunk
 from fnrl.sim import costs
 from fnrl.sim.costs import DecodeCosts
 
@@ -219,8 +221,9 @@ class SimTrainer(_Process):
 
 
 class _Request:
-    def __init__(self, ctx: int, budget: int, eos: bool):
+    def __init__(self, ctx: int, budget: int, eos: bool, routes_from: int | None = None):
         self.ctx, self.left, self.sent, self.eos = ctx, budget, 0, eos
+        self.routes_from = routes_from
         self.chunks: asyncio.Queue = asyncio.Queue()
         self.lost: ServerError | None = None   # its server died
 
@@ -255,12 +258,16 @@ class SimRollout(_Process):
 
     async def generate_stream(self, prompt_ids, *, max_tokens, temperature, seed=None,
                               stop_token_ids=(), ignore_eos=False, request_id=None, top_p=1.0,
-                              top_k=-1):
+                              top_k=-1, routes_from=None):
+        """`routes_from`: the last chunk reports routes as vLLM does, for every fed
+        position from there (the last sampled token is never fed), each position p
+        routed to experts (p, 1000 + the version serving): one MoE layer, top-2."""
         self._alive()
         if self._engine is None:
             self._engine = asyncio.get_running_loop().create_task(self._run())
         natural = self.eos_after is not None and not ignore_eos and self.eos_after <= max_tokens
-        req = _Request(len(prompt_ids), self.eos_after if natural else max_tokens, natural)
+        req = _Request(len(prompt_ids), self.eos_after if natural else max_tokens, natural,
+                       routes_from)
         self.waiting.append(req)
         self._wake.set()
         try:
@@ -305,9 +312,17 @@ class SimRollout(_Process):
                     ids[-1] = EOS
                 reason = None if r.left else "stop" if r.eos else "length"
                 r.chunks.put_nowait(StreamChunk(token_ids=tuple(ids), logprobs=(-0.5,) * n,
-                                                finish_reason=reason))
+                                                finish_reason=reason,
+                                                **self._routes(r) if reason else {}))
                 if reason:
                     self.running.remove(r)
+
+    def _routes(self, r: _Request) -> dict:
+        if r.routes_from is None:
+            return {}
+        fed = np.arange(r.routes_from, r.ctx - 1)
+        return {"routes": Routes.of(np.stack([fed, np.full_like(fed, 1000 + self.version)],
+                                             -1)[:, None, :]), "routes_from": r.routes_from}
 
     async def pull(self, relay_address: str, *, min_version: int = -1,
                    relay_timeout_s: float = 30.0) -> int:

@@ -19,9 +19,10 @@ With micro-batches, row r belongs to micro-batch r % M (as `split_micro_batches`
 splits), and every GRPO group is placed inside a single micro-batch.
 
 Rollout routing replay (a mixture of experts): when every sample carries the engine's
-routes (`prompt_routes` and `routes`, per token per layer its experts), the batch has
-`routes_BxTxLxK`, laid out like `input_BxT`: position j holds the routes of the token
-that is the input there. A batch where only some samples carry routes is refused.
+routes (`routes`, fnrl.types.Routes: per position of prompt + response, per layer its
+experts), the batch has `routes_BxTxLxK`, laid out like `input_BxT`: position j holds
+the routes of the token that is the input there. A batch where only some samples carry
+routes is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.losses.advantages import compute_advantages, overlong_penalty
 from fnrl.policy.filtering import informative
 
-Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward (prompt_routes, routes)
+Sample = Any  # prompt_ids, response_ids, logprobs, versions, reward (routes)
 
 
 def is_valid(s: Sample) -> bool:
@@ -244,28 +245,25 @@ def _fill(samples, place, adv, rows, length, pad_id, *, packed: bool,
 
 def sample_routes(samples: Sequence[Sample]) -> list[np.ndarray] | None:
     """Each sample's routes over prompt + response, [tokens, layers, top_k] int32; None
-    when no sample carries any. Raises ValueError, naming the sample, when only some do
-    (or a sample has routes for its prompt but not its response, or the reverse): a
-    batch half replayed would train half its tokens through another routing."""
-    found = [(getattr(s, "prompt_routes", None), getattr(s, "routes", None)) for s in samples]
-    if all(p is None and r is None for p, r in found):
+    when no sample carries any. Raises ValueError, naming the sample, when only some do,
+    or when they differ in layers x top_k or in length from the sample's tokens: a batch
+    half replayed would train half its tokens through another routing."""
+    found = [getattr(s, "routes", None) for s in samples]
+    if all(r is None for r in found):
         return None
     out, shape = [], None
-    for i, (s, (prompt, response)) in enumerate(zip(samples, found)):
+    for i, (s, routes) in enumerate(zip(samples, found)):
         name = f"sample {i} (uid {getattr(s, 'uid', '?')!r})"
-        if response is None and not len(s.response_ids):
-            response = ()   # nothing generated: nothing to route
-        if prompt is None or response is None:
-            raise ValueError(f"routing replay: {name} has no routes for its "
-                             f"{'prompt' if prompt is None else 'response'}, while "
-                             f"other samples of the batch carry routes")
-        try:
-            r = np.asarray(tuple(prompt) + tuple(response), np.int32)
-        except ValueError:   # numpy's "inhomogeneous shape"
-            raise ValueError(f"routing replay: {name} has routes of ragged shape") from None
-        if r.ndim != 3 or (shape is not None and r.shape[1:] != shape):
-            raise ValueError(f"routing replay: {name} has routes of shape {r.shape[1:]} "
-                             f"(layers, top_k), expected {shape or '(L, K)'}")
+        if routes is None:
+            raise ValueError(f"routing replay: {name} has no routes (none recorded, or a "
+                             "position's were never reported), while other samples of the "
+                             "batch carry routes")
+        r = routes.array().astype(np.int32)
+        tokens = len(s.prompt_ids) + len(s.response_ids)
+        if len(r) != tokens or (shape is not None and r.shape[1:] != shape):
+            raise ValueError(f"routing replay: {name} has routes of shape {r.shape} for "
+                             f"{tokens} tokens, expected ({tokens}, "
+                             f"{', '.join(map(str, shape)) if shape else 'L, K'})")
         shape = r.shape[1:]
         out.append(r)
     return out

@@ -2,6 +2,10 @@
 rounds of one run.
 
     python -m lab.benchmarks.weight_sync [--sizes-mb 10 100 500] [--max-p 4] [--runs 25] [--rounds 16]
+    python -m lab.benchmarks.weight_sync --sizes-mb 500 --tensors 8 18432 --no-broadcast
+
+(the second: a version as 8 tensors beside the same bytes as a mixture of experts' 18,432,
+where a cost per tensor in the relay or the pull would show.)
 
 (25 and 16 rounds: fewer gave spreads that a second run's median often fell outside;
 docs/benchmarks.md.)
@@ -58,13 +62,16 @@ from fnrl.serving.worker_ext import torch_views
 
 from lab.benchmarks.rounds import Spread, environment, load, round_orders
 
-TENSORS = 8  # a version is 8 float32 tensors of equal size
+TENSORS = 8  # by default a version is 8 float32 tensors of equal size
+MOE_TENSORS = 48 * 128 * 3
+"""Qwen3-30B-A3B's expert tensors (48 layers x 128 experts x gate, up, down): the count
+`--tensors` compares against, where a per-tensor cost would show."""
 
 
-def weights(total_bytes: int, version: int) -> dict[str, np.ndarray]:
-    n = total_bytes // TENSORS // 4
+def weights(total_bytes: int, version: int, tensors: int = TENSORS) -> dict[str, np.ndarray]:
+    n = total_bytes // tensors // 4
     out = {}
-    for i in range(TENSORS):
+    for i in range(tensors):
         a = np.empty(n, np.float32)
         a[:] = version + i  # touches every page, so the source is warm like a trainer's
         out[f"model.layers.{i}.mlp.weight"] = a
@@ -118,7 +125,8 @@ def _paired(orders, tier, ref, run, *, start: int = 0, before=None):
     return refs, runs
 
 
-def stall_and_pull(size: int, log_dir: str, runs: int, seed: int) -> dict:
+def stall_and_pull(size: int, log_dir: str, runs: int, seed: int,
+                   tensors: int = TENSORS) -> dict:
     """Trainer stall and pull-to-serving on one master relay, `runs` of each after a
     warm-up, each beside its reference in the same round; per-round ratios."""
     cfg = RelayConfig(num_relays=1, keep_versions=1, inbox_slots=1)
@@ -128,7 +136,7 @@ def stall_and_pull(size: int, log_dir: str, runs: int, seed: int) -> dict:
     orders = round_orders(("ref", "run"), runs + 1, seed=seed)
     try:
         master = RelayClient(tier.master.address, timeout_s=120)
-        src = weights(size, 0)
+        src = weights(size, 0, tensors)
         # Two references: a copy into warm numpy memory (the fastest copy this host makes:
         # numpy asks for huge pages) for the stall, and a copy into the serving parameters
         # (the copy any reload makes; torch memory has 4 KiB pages, ~3x slower at 2 GB)
@@ -240,6 +248,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the pull's copy); numpy's copy uses one")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rounds' orders")
+    parser.add_argument("--tensors", type=int, nargs="+", default=[TENSORS],
+                        help=f"tensors a version is split into, each count measured in turn "
+                             f"for 1 and 3 (a mixture of experts' many small ones: "
+                             f"{MOE_TENSORS:,} for Qwen3-30B-A3B's experts)")
+    parser.add_argument("--no-broadcast", action="store_true", help="measure 1 and 3 only")
     args = parser.parse_args()
     # The pull's torch copy_ and the reference's numpy copy get the same single thread
     # by default: a parallel copy_ against a serial reference would flatter the pull.
@@ -257,22 +270,25 @@ def main() -> None:
     print("# ratios: median (min-max) of per-round ratios")
     print("# stall/cp: against a copy into warm numpy memory; pull/cp: against a copy into the")
     print("# serving parameters (torch), the copy vLLM's reload makes in any case")
-    print(f"{'size':>8} {'memcpy':>9} {'stall':>9} {'stall/cp':>18} {'cp->torch':>9} {'pull':>9} "
-          f"{'pull/cp':>18}  load")
+    print(f"{'size':>8} {'tensors':>8} {'memcpy':>9} {'stall':>9} {'stall/cp':>18} "
+          f"{'cp->torch':>9} {'pull':>9} {'pull/cp':>18}  load")
     for mb in args.sizes_mb:
         size = mb * MIB
         if size * 5 > available_bytes() * 0.7:
             print(f"{mb:>6}MB  skipped (memory: needs ~{5 * mb} MB, 70% of available is "
                   f"{available_bytes() * 0.7 / MIB:.0f} MB)")
             continue
-        load_start = load()
-        r = stall_and_pull(size, log_dir, args.runs, args.seed)
-        sr, pr = r["stall_ratio"], r["pull_ratio"]
-        print(f"{mb:>6}MB {r['ref'] * 1e3:>7.1f}ms {r['stall'] * 1e3:>7.1f}ms "
-              f"{f'{sr.median:.2f}x ({sr.low:.2f}-{sr.high:.2f})':>18} "
-              f"{r['pull_ref'] * 1e3:>7.1f}ms {r['pull'] * 1e3:>7.1f}ms "
-              f"{f'{pr.median:.2f}x ({pr.low:.2f}-{pr.high:.2f})':>18}  {load_start} -> {load()}",
-              flush=True)
+        for tensors in args.tensors:
+            load_start = load()
+            r = stall_and_pull(size, log_dir, args.runs, args.seed, tensors)
+            sr, pr = r["stall_ratio"], r["pull_ratio"]
+            print(f"{mb:>6}MB {tensors:>8,} {r['ref'] * 1e3:>7.1f}ms {r['stall'] * 1e3:>7.1f}ms "
+                  f"{f'{sr.median:.2f}x ({sr.low:.2f}-{sr.high:.2f})':>18} "
+                  f"{r['pull_ref'] * 1e3:>7.1f}ms {r['pull'] * 1e3:>7.1f}ms "
+                  f"{f'{pr.median:.2f}x ({pr.low:.2f}-{pr.high:.2f})':>18}  "
+                  f"{load_start} -> {load()}", flush=True)
+    if args.no_broadcast:
+        return
 
     print("\n## 2. broadcast to p relays: T(p)/T(1) (goal <= 1.5) and Laminar App. C's model")
     print(f"# {args.rounds} rounds; each measures T(1..p) once in varying order; T(p)/T(1): "

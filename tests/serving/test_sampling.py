@@ -17,6 +17,8 @@ from fnrl.experiments.math_grpo import parse_config
 from fnrl.serving.client import RolloutClient, ServerError
 from fnrl.serving.server import ServerSpec, server_command
 
+from tests.serving.fake_http import serving
+
 QWEN_INSTRUCT = {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": True,
                  "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
 
@@ -86,21 +88,12 @@ class FakeServer:
 
 
 async def _stream(fake: FakeServer, *, timeout_s: float, **sampling) -> list:
-    app = web.Application()
-    app.router.add_get("/v1/models", fake.models)
-    app.router.add_post("/v1/completions", fake.completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    async with serving(web.get("/v1/models", fake.models),
+                       web.post("/v1/completions", fake.completions)) as url:
         async with aiohttp.ClientSession() as session:
-            client = RolloutClient(f"http://127.0.0.1:{port}", session, timeout_s=timeout_s)
+            client = RolloutClient(url, session, timeout_s=timeout_s)
             return [c async for c in client.generate_stream(
                 [1, 2], max_tokens=fake.chunks, temperature=0.7, seed=None, **sampling)]
-    finally:
-        await runner.cleanup()
 
 
 def test_each_request_carries_the_sampling_settings():

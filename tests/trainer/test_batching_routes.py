@@ -6,7 +6,7 @@ import pytest
 
 from fnrl.config import AlgoConfig, TrainerConfig
 from fnrl.trainer.batching import build_batch, make_batch
-from fnrl.types import Group, Problem, Segment, Trajectory
+from fnrl.types import Group, Problem, Routes, Segment, Trajectory
 
 L, K = 2, 2
 ALGO = AlgoConfig(group_size=3, groups_per_step=3, max_new_tokens=7, learning_rate=1e-2)
@@ -28,16 +28,13 @@ def _groups(seed=0, with_routes=True):
         for _ in range(3):
             n = int(rng.integers(1, 8))
             ids = tuple(int(t) for t in rng.integers(3, 20, n))
-            # Two segments (an interrupt and a continuation): routes join across them.
+            # Two segments (an interrupt and a continuation): routes span both.
             cut = n // 2
-            all_routes = tuple(route(i, p) for p in range(len(prompt) + n))
-            r = (lambda a, b: all_routes[len(prompt) + a:len(prompt) + b]) if with_routes \
-                else (lambda a, b: None)
-            segs = (Segment(0, ids[:cut], (-1.0,) * cut, routes=r(0, cut)),
-                    Segment(1, ids[cut:], (-1.0,) * (n - cut), routes=r(cut, n)))
+            segs = (Segment(0, ids[:cut], (-1.0,) * cut),
+                    Segment(1, ids[cut:], (-1.0,) * (n - cut)))
+            routes = Routes.of([route(i, p) for p in range(len(prompt) + n)])
             trajs.append(Trajectory(f"g{g}/{i}", prompt, segs, "stop", reward=float(i % 2),
-                                    prompt_routes=all_routes[:len(prompt)] if with_routes
-                                    else None))
+                                    routes=routes if with_routes else None))
             i += 1
         groups.append(trajs)
     return groups
@@ -96,7 +93,7 @@ def test_without_routes_no_key_and_half_routed_is_refused():
     assert "routes_BxTxLxK" not in arrays
     mixed = _groups()
     mixed[1][2] = _groups(with_routes=False)[1][2]
-    with pytest.raises(ValueError, match=r"sample 5 \(uid 'g1/5'\) has no routes for its prompt"):
+    with pytest.raises(ValueError, match=r"sample 5 \(uid 'g1/5'\) has no routes"):
         build_batch(mixed, algo=ALGO, trainer=TrainerConfig(), seq_len=16, pad_id=0)
 
 
