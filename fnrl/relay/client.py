@@ -86,7 +86,7 @@ class RelayClient:
             raise ValueError(f"wait={wait!r}: use 'held' or 'visible'")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         arrays = {name: np.asarray(a) for name, a in tensors.items()}
-        specs = [(n, a.shape, str(a.dtype)) for n, a in arrays.items()]
+        specs = [(n, a.shape, store.dtype_name(a.dtype)) for n, a in arrays.items()]
         layout, slot = self._slot_for(int(version), specs, timeout_s)
         views = store.tensor_views(slot.mm, layout)
         self._await(slot.try_lock, timeout_s, "free its inbox slot")
@@ -164,7 +164,7 @@ class RelayClient:
         with `version`, that version's manifest, or None if the relay no longer holds it."""
         header = {"op": "latest"} if version is None else {"op": "latest", "version": int(version)}
         manifest = self._request(header, [], timeout_s)["manifest"]
-        return None if manifest is None else VersionManifest.from_json(json.dumps(manifest))
+        return None if manifest is None else VersionManifest.from_dict(manifest)
 
     def ping(self, *, timeout_s: float | None = None) -> dict:
         """`{"name", "pid", "version", "ucx_address", "master", "master_address", "epoch",
@@ -301,7 +301,8 @@ class RelayClient:
 
 
 def _tensor_specs(arrays: Mapping[str, np.ndarray]) -> list[dict]:
-    return [{"name": n, "shape": list(a.shape), "dtype": str(a.dtype)} for n, a in arrays.items()]
+    return [{"name": n, "shape": list(a.shape), "dtype": store.dtype_name(a.dtype)}
+            for n, a in arrays.items()]
 
 
 @dataclasses.dataclass(eq=False)

@@ -278,7 +278,7 @@ class DataPlane:
         session = random.getrandbits(39) | (1 << 39)
         layout = dataclasses.replace(src.manifest, checksums=())
         tag, raw = auth.process_auth().seal({
-            "layout": json.loads(layout.to_json()), "sender": self.relay.name,
+            "layout": layout.json_dict, "sender": self.relay.name,
             "reply_to": self.address, "to": address})[0]
         header = tag + raw
         reply, done = np.zeros(1, np.uint64), np.zeros(1, np.uint64)

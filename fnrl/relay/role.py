@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
-import json
 import logging
 import mmap
 import os
@@ -310,7 +309,7 @@ class Relay:
             if header.get("version") is not None:   # a reader pinned to one version
                 latest = next((h.manifest for h in self.complete
                                if h.version == int(header["version"])), None)
-            return {"ok": True, "manifest": json.loads(latest.to_json()) if latest else None}
+            return {"ok": True, "manifest": latest.json_dict if latest else None}
         if op == "publish":
             return await self.publish_frames(header, payload)
         if op == "reserve":
@@ -349,7 +348,7 @@ class Relay:
         for spec, frame in zip(layout.tensors, payload):
             held.buf[spec.offset : spec.offset + spec.nbytes] = np.frombuffer(frame.buffer, np.uint8)
         await self._fill_from(held, None)
-        return {"ok": True, "manifest": json.loads(held.manifest.to_json())}
+        return {"ok": True, "manifest": held.manifest.json_dict}
 
     async def reserve(self, header: dict) -> dict:
         """Lend the publisher a free inbox slot laid out for its tensors."""
@@ -383,7 +382,7 @@ class Relay:
             slot.marks[:] = -1
             self.slots.append(slot)
         layout = self._layout(header, slot.segment)
-        return {"ok": True, "manifest": json.loads(layout.to_json()), "inbox_slots": limit}
+        return {"ok": True, "manifest": layout.json_dict, "inbox_slots": limit}
 
     async def commit(self, header: dict) -> dict:
         """The publisher has written its slot: this relay now holds the version."""

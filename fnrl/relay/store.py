@@ -81,21 +81,28 @@ class VersionManifest:
     checksums: tuple[int, ...] = ()
     """xxh3-64 of each chunk of the segment's first `total_bytes` bytes."""
 
+    @functools.cached_property
+    def json_dict(self) -> dict:
+        """The manifest as JSON values, built once (a relay answers every pull with it,
+        and a mixture of experts' has tens of thousands of tensors); read-only."""
+        return {
+            "version": self.version,
+            "segment": self.segment,
+            "tensors": [t.to_dict() for t in self.tensors],
+            "total_bytes": self.total_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "checksums": list(self.checksums),
+        }
+
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "version": self.version,
-                "segment": self.segment,
-                "tensors": [t.to_dict() for t in self.tensors],
-                "total_bytes": self.total_bytes,
-                "chunk_bytes": self.chunk_bytes,
-                "checksums": list(self.checksums),
-            }
-        )
+        return json.dumps(self.json_dict)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> VersionManifest:
-        d = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> VersionManifest:
         return cls(
             version=int(d["version"]),
             segment=str(d["segment"]),
@@ -156,8 +163,17 @@ def verify_version(manifest: VersionManifest) -> bool:
     return segment_checksums(buf, manifest.total_bytes, manifest.chunk_bytes) == manifest.checksums
 
 
+@functools.cache
+def dtype_name(dtype: np.dtype) -> str:
+    """`str(dtype)`, remembered: numpy builds the name anew on every call (4 us), which a
+    mixture of experts' 18,432 expert tensors pay several times a version."""
+    return str(dtype)
+
+
+@functools.cache
 def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype for a dtype name; bfloat16 and float8 come from ml_dtypes."""
+    """The numpy dtype for a dtype name; bfloat16 and float8 come from ml_dtypes.
+    Remembered, like `dtype_name`: every tensor view of every pull asks."""
     try:
         return np.dtype(name)
     except TypeError:

@@ -18,7 +18,7 @@ import torch
 
 from fnrl.models.checkpoint_files import SCALING_TENSOR, adapted_modules, lazy_tensors, peft_names
 from fnrl.relay.client import RelayClient
-from fnrl.relay.store import VersionManifest, open_version
+from fnrl.relay.store import VersionManifest, dtype_name, open_version
 from fnrl.shell.procs import die_with_parent
 
 if multiprocessing.parent_process() is not None:
@@ -36,7 +36,7 @@ def torch_views(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[str, torch.T
         # The arrays are read-only shared memory; vLLM only copies out of them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, a in arrays.items():
-            if a.dtype.name == "bfloat16":  # numpy's bfloat16 comes from ml_dtypes
+            if dtype_name(a.dtype) == "bfloat16":  # numpy's bfloat16 comes from ml_dtypes
                 yield name, torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
             else:
                 yield name, torch.from_numpy(a)
