@@ -65,13 +65,15 @@ class RolloutClient:
         top_p: float = 1.0,
         top_k: int = -1,
         stop: Sequence[str] = (),
+        ignore_eos: bool = False,
     ) -> list[Completion]:
         """Sample `n` continuations of `prompt_ids`; `request_id` makes it abortable;
         `stop` strings end a continuation (a multi-turn evaluation's tool calls)."""
         body = await self._completion_body(prompt_ids, n=n, max_tokens=max_tokens,
                                            temperature=temperature, seed=seed,
                                            stop_token_ids=stop_token_ids, request_id=request_id,
-                                           top_p=top_p, top_k=top_k, **_stops(stop))
+                                           top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
+                                           **_stops(stop))
         reply = await self._post("/v1/completions", body, self.timeout_s)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != n:
