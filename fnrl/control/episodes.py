@@ -189,9 +189,7 @@ async def _episode_attempt(*, env_name: str, runner: ToolRunner | None, problem:
             await env.close()
     check_pool_matches(pool.get(uid), episode)
     if replay:
-        await complete_routes(pool, uid, handle, request_id=request_id,
-                              sampling={k: sampling[k] for k in ("temperature", "top_p", "top_k",
-                                                                 "seed")})
+        await complete_routes(pool, uid, handle, request_id=request_id, sampling=sampling)
     info = episode.info
     return EpisodeOutcome(reward=episode.reward, finish_reason=episode.finish_reason,
                           turns=episode.num_sampled_turns,

@@ -95,6 +95,11 @@ class Generation:
         """Rollout routing replay: every request asks the engine for its routes."""
         return self.cfg.model.routing_replay == "replay"
 
+    def _sampling(self, seed: int | None) -> dict:
+        """A request's sampling settings (the behaviour policy's), with its seed."""
+        algo = self.cfg.algo
+        return dict(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, seed=seed)
+
     async def start(self) -> None:
         """KV capacities, and one request per server first, so no server's first batch
         (lazy kernel set-up in the engine) lands inside the measured window."""
@@ -267,8 +272,7 @@ class Generation:
         if self.replay:
             book.counts["routes_requests"] += await complete_routes(
                 self.pool, t.uid, rollout.handle, request_id=f"{t.uid}#{t.placements}",
-                sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
-                              top_k=cfg.algo.top_k, seed=seed))
+                sampling=self._sampling(seed))
         self.pool.finish(t.uid, reason)
         t.finished = True
         rollout.complete += 1
@@ -301,8 +305,7 @@ class Generation:
             version=lambda: rollout.version, encode_text=self.task.encode_text,
             decode=self.task.decode, stop_ids=self.task.stop_ids,
             max_new_tokens=cfg.algo.max_new_tokens,
-            sampling=dict(temperature=cfg.algo.temperature, top_p=cfg.algo.top_p,
-                          top_k=cfg.algo.top_k, seed=seed),
+            sampling=self._sampling(seed),
             request_id=f"{t.uid}#{t.placements}", on_tokens=on_tokens, on_resumed=on_resumed,
             on_env_error=self._env_error, replay=self.replay)
         if before is not None and before.segments:
